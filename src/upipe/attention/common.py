@@ -1,0 +1,159 @@
+"""Input validation shared by the strategies, done on every rank before any collective.
+
+A rank that finds its input invalid must not raise alone: its peers would then wait forever
+in the next collective. So each rank checks its own input, then the ranks exchange one small
+object -- (error, local shapes) -- and every rank raises the same error, naming the rank
+whose input is wrong, or a mismatch between ranks (e.g. different local sequence lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from upipe.kernels import BACKENDS
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def check_group(group) -> int:
+    """The size of `group`, or a TypeError if it is not a usable process group."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}; "
+            "pass e.g. group=torch.distributed.group.WORLD after init_process_group"
+        )
+    return dist.get_world_size(group)
+
+
+def check_qkv_local(q, k, v, *, C: int, causal, softmax_scale, backend, replicate_kv: bool):
+    """Checks one rank can make without talking to the others. Raises TypeError/ValueError."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, local_seq, heads, head_dim], got shape "
+                f"{tuple(t.shape)}"
+            )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; cast them alike")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move them alike")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"attention needs floating-point inputs, got {q.dtype}")
+    (B, L, H, d), (Bk, Lk, G, dk) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if Bk != B:
+        raise ValueError(f"batch sizes differ: q has {B}, k/v have {Bk}")
+    if Lk != L:
+        raise ValueError(f"local sequence lengths differ: q has {L}, k/v have {Lk}")
+    if dk != d:
+        raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
+    if L == 0 or B == 0:
+        raise ValueError(f"empty input: q has shape {tuple(q.shape)}")
+    if H % G:
+        raise ValueError(
+            f"kv heads ({G}) must divide query heads ({H}); valid kv head counts: {_divisors(H)}"
+        )
+    if H % C:
+        raise ValueError(
+            f"query heads ({H}) must be divisible by the context-parallel size ({C}); "
+            f"use a size in {_divisors(H)}"
+        )
+    if replicate_kv:
+        if G % C and C % G:
+            raise ValueError(
+                f"kv heads ({G}) and the context-parallel size ({C}) must divide one another "
+                f"(kv heads are split across ranks, or replicated when fewer); use a size in "
+                f"{sorted(set(_divisors(G)) | {m for m in _divisors(H) if m % G == 0})}"
+            )
+    elif G % C:
+        raise ValueError(
+            f"kv heads ({G}) must be divisible by the context-parallel size ({C}); use a size "
+            f"in {_divisors(G)}, or upipe_attention, which replicates kv heads when G < C"
+        )
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive or None, got {softmax_scale}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+
+
+def agree_across_ranks(group, local_check, signature_fn) -> None:
+    """Run `local_check()` here, then make every rank of `group` raise the same error.
+
+    `signature_fn()` describes what all ranks must agree on (shapes, dtype, options); it is
+    only called when the local check passed. One all_gather_object, no other collective.
+    """
+    error, signature = None, None
+    try:
+        local_check()
+        signature = signature_fn()
+    except (TypeError, ValueError) as e:
+        error = e
+    C = dist.get_world_size(group)
+    if C == 1:
+        if error is not None:
+            raise error
+        return
+    reports = [None] * C
+    payload = (type(error).__name__, str(error)) if error is not None else None
+    dist.all_gather_object(reports, (payload, signature), group=group)
+    for rank, (err, _) in enumerate(reports):
+        if err is not None:
+            if error is not None:
+                raise error
+            cls = TypeError if err[0] == "TypeError" else ValueError
+            raise cls(f"rank {rank} of the group rejected its input: {err[1]}")
+    for rank, (_, sig) in enumerate(reports):
+        if sig != reports[0][1]:
+            diff = ", ".join(
+                f"{key}: rank 0 has {reports[0][1][key]}, rank {rank} has {sig[key]}"
+                for key in sig
+                if sig[key] != reports[0][1][key]
+            )
+            raise ValueError(
+                f"ranks disagree on their inputs ({diff}); every rank must pass the same "
+                "options and an equal-length shard of the sequence (pad the sequence to a "
+                "multiple of the group size)"
+            )
+
+
+def validate_qkv(q, k, v, *, group, causal, softmax_scale, backend, replicate_kv, extra=None):
+    """Full validation of a strategy's (q, k, v) on every rank of `group`.
+
+    `extra` is an optional callable(C) with strategy-specific local checks.
+    """
+    C = check_group(group)
+
+    def local():
+        check_qkv_local(
+            q,
+            k,
+            v,
+            C=C,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            backend=backend,
+            replicate_kv=replicate_kv,
+        )
+        if extra is not None:
+            extra(C)
+
+    def signature():
+        return {
+            "q shape": tuple(q.shape),
+            "k shape": tuple(k.shape),
+            "dtype": str(q.dtype),
+            "device type": q.device.type,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+        }
+
+    agree_across_ranks(group, local, signature)

@@ -1,0 +1,87 @@
+"""Ulysses attention (DeepSpeed-Ulysses): all-to-all from sequence shards to head shards.
+
+Legend: B batch, S full sequence, L = S / C local tokens, H query heads, G kv heads,
+h = H / C and g = G / C heads per rank, d head dim, C group size.
+
+Forward on each rank:
+    q_BLHd, k_BLGd, v_BLGd  --seq_to_head-->  q_BShd, k_BSgd, v_BSgd
+    out_BShd, lse_BhS = attention(q_BShd, k_BSgd, v_BSgd)       (all S tokens, h heads)
+    out_BShd  --head_to_seq-->  out_BLHd
+Backward: dout_BLHd -> dout_BShd, the kernel's backward from the saved out/lse, then
+dq/dk/dv back to the sequence layout.
+
+Saved for backward: q_BShd, k_BSgd, v_BSgd, out_BShd, lse -- the full-head intermediates
+that UPipe (upipe.py) avoids keeping. Backward frees each buffer as soon as it is used (a
+lean baseline, so that comparisons with UPipe are fair).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.attention.common import validate_qkv
+from upipe.comm import head_to_seq, seq_to_head
+from upipe.kernels import attention_backward, attention_forward
+
+
+def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend):
+    q_BShd, k_BSgd, v_BSgd = (seq_to_head(t, group) for t in (q_BLHd, k_BLGd, v_BLGd))
+    out_BShd, lse_BhS = attention_forward(
+        q_BShd, k_BSgd, v_BSgd, causal=causal, softmax_scale=scale, backend=backend
+    )
+    return head_to_seq(out_BShd, group), (q_BShd, k_BSgd, v_BSgd, out_BShd, lse_BhS)
+
+
+def _backward(dout_BLHd, saved, group, causal, scale, backend):
+    """`saved` is a list this function empties, so each buffer dies as soon as it is used."""
+    dout_BShd = seq_to_head(dout_BLHd, group)
+    grads_BS = list(
+        attention_backward(dout_BShd, *saved, causal=causal, softmax_scale=scale, backend=backend)
+    )
+    saved.clear()
+    del dout_BShd
+    grads_BL = []
+    while grads_BS:  # convert dq, dk, dv one at a time, freeing each head-layout gradient
+        grads_BL.append(head_to_seq(grads_BS.pop(0), group))
+    return grads_BL
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, backend):
+        out, saved = _forward(q, k, v, group, causal, scale, backend)
+        # intermediates only (never user-visible), kept in a list so backward can free them
+        # one by one instead of holding all of them until it returns
+        ctx.saved = list(saved)
+        ctx.args = (group, causal, scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if ctx.saved is None:
+            raise RuntimeError("ulysses_attention: backward called twice; use retain_graph=False")
+        saved, ctx.saved = ctx.saved, None
+        grads = _backward(dout.contiguous(), saved, *ctx.args)
+        return (*grads, None, None, None, None)
+
+
+def ulysses_attention(q, k, v, *, group, causal=True, softmax_scale=None, backend=None):
+    """Attention over a sequence sharded contiguously across `group`.
+
+    q `[B, L, H, d]`, k/v `[B, L, G, d]`: rank r holds tokens r*L .. (r+1)*L-1. Returns
+    `[B, L, H, d]`, the rank's rows of full attention over all C*L tokens; differentiable
+    w.r.t. q, k, v. Needs H and G divisible by the group size C (and G dividing H; query
+    head h uses kv head h // (H / G)). `backend` selects the local kernel (see
+    `upipe.kernels`); the default follows the device.
+    """
+    validate_qkv(
+        q,
+        k,
+        v,
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        replicate_kv=False,
+    )
+    return _UlyssesAttention.apply(q, k, v, group, causal, softmax_scale, backend)

@@ -1,0 +1,5 @@
+"""Memory measurement (and, later, simulation and planning)."""
+
+from upipe.memory.tracker import MemoryTracker
+
+__all__ = ["MemoryTracker"]

@@ -1,0 +1,38 @@
+"""The command line: help, the demo at a small size, and clear errors for bad options."""
+
+import json
+import subprocess
+import sys
+
+
+def _upipe(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "upipe", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help():
+    res = _upipe("--help")
+    assert res.returncode == 0 and "demo" in res.stdout
+
+
+def test_demo_small(tmp_path):
+    out = tmp_path / "demo.json"
+    res = _upipe(
+        "demo", "--nproc", "2", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--json", str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "ulysses" in res.stdout and "peak MiB/rank" in res.stdout
+    doc = json.loads(out.read_text())
+    (row,) = doc["results"]
+    assert row["strategy"] == "ulysses" and len(row["peak_bytes_per_rank"]) == 2
+    assert all(p > 0 for p in row["peak_bytes_per_rank"])
+    assert max(row["rel_err"].values()) < 1e-5
+
+
+def test_bad_option_is_a_message_not_a_traceback():
+    res = _upipe("demo", "--nproc", "4", "--seq-len", "1001")
+    assert res.returncode == 2
+    assert "--seq-len 1001 must be divisible by --nproc 4; try 1004" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -1,0 +1,85 @@
+"""Per-rank functions for the distributed tests (module-level so spawned ranks import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import upipe
+
+
+def make_qkv(*, B, S, H, G, d, dtype=torch.float32, seed=0):
+    """Full-sequence q, k, v and an output gradient, identical on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, d, generator=gen)
+    k = torch.randn(B, S, G, d, generator=gen)
+    v = torch.randn(B, S, G, d, generator=gen)
+    dout = torch.randn(B, S, H, d, generator=gen)
+    return tuple(t.to(dtype) for t in (q, k, v, dout))
+
+
+def run_functional(rank, world_size, strategy, shape, kwargs, dtype=torch.float32):
+    """Forward+backward of a functional strategy on this rank's shard.
+
+    Returns this rank's (out, dq, dk, dv) shards as fp64 CPU tensors.
+    """
+    group = dist.group.WORLD
+    q, k, v, dout = make_qkv(**shape, dtype=dtype)
+    leaves = [upipe.shard_sequence(t, group=group).requires_grad_() for t in (q, k, v)]
+    fn = getattr(upipe, f"{strategy}_attention")
+    out = fn(*leaves, group=group, **kwargs)
+    out.backward(upipe.shard_sequence(dout, group=group))
+    return [t.detach().double() for t in (out, *(x.grad for x in leaves))]
+
+
+def expect_error(rank, world_size, strategy, shapes_by_rank, kwargs):
+    """Call a strategy with per-rank shapes; return (exception type name, message) or None."""
+    group = dist.group.WORLD
+    shape = shapes_by_rank[rank] if isinstance(shapes_by_rank, list) else shapes_by_rank
+    q, k, v = (torch.randn(*s) if isinstance(s, tuple) else s for s in shape)
+    fn = getattr(upipe, f"{strategy}_attention")
+    try:
+        fn(q, k, v, group=group, **kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def reference(q, k, v, dout, *, causal=True, softmax_scale=None):
+    """Full-sequence attention and its gradients in float64 (the ground truth)."""
+    from upipe.kernels import attention_backward, attention_forward
+
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    kw = dict(causal=causal, softmax_scale=softmax_scale, backend="reference")
+    out, lse = attention_forward(q, k, v, **kw)
+    return (out, *attention_backward(dout, q, k, v, out, lse, **kw))
+
+
+def comm_roundtrip(rank, world_size, B, L, H, d):
+    """seq_to_head / head_to_seq on known data; returns what each rank saw."""
+    from upipe.comm import HeadToSeq, SeqToHead, head_to_seq, seq_to_head
+
+    group = dist.group.WORLD
+    S = L * world_size
+    # full[b, s, h, e] = a unique number; rank r holds tokens r*L .. (r+1)*L-1
+    full = torch.arange(B * S * H * d, dtype=torch.float64).view(B, S, H, d)
+    x_BLHd = upipe.shard_sequence(full, group=group)
+    x_BShd = seq_to_head(x_BLHd, group)
+    back = head_to_seq(x_BShd, group)
+    # autograd: the gradient of sum(w * SeqToHead(x)) is HeadToSeq(w)
+    leaf = x_BLHd.clone().requires_grad_()
+    w = torch.randn(
+        x_BShd.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)
+    )
+    (SeqToHead.apply(leaf, group) * w).sum().backward()
+    leaf2 = x_BShd.clone().requires_grad_()
+    w2 = torch.randn(x_BLHd.shape, dtype=torch.float64)
+    (HeadToSeq.apply(leaf2, group) * w2).sum().backward()
+    return {
+        "expected_BShd": full[:, :, rank * (H // world_size) : (rank + 1) * (H // world_size)],
+        "x_BShd": x_BShd,
+        "roundtrip_exact": torch.equal(back, x_BLHd),
+        "grad_ok": torch.equal(leaf.grad, head_to_seq(w, group)),
+        "grad2_ok": torch.equal(leaf2.grad, seq_to_head(w2, group)),
+        "unshard_ok": torch.equal(upipe.unshard_sequence(x_BLHd, group=group), full),
+    }
