@@ -19,8 +19,19 @@ def test_help():
 def test_demo_small(tmp_path):
     out = tmp_path / "demo.json"
     res = _upipe(
-        "demo", "--nproc", "2", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
-        "--head-dim", "16", "--json", str(out),
+        "demo",
+        "--nproc",
+        "2",
+        "--seq-len",
+        "256",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--json",
+        str(out),
     )
     assert res.returncode == 0, res.stderr
     assert "ulysses" in res.stdout and "peak MiB/rank" in res.stdout

@@ -83,3 +83,78 @@ def comm_roundtrip(rank, world_size, B, L, H, d):
         "grad2_ok": torch.equal(leaf2.grad, seq_to_head(w2, group)),
         "unshard_ok": torch.equal(upipe.unshard_sequence(x_BLHd, group=group), full),
     }
+
+
+def attention_autograd(q, k, v, *, causal=True, scale=None):
+    """softmax(QK^T)V with plain ops (differentiable; materialises S x S: tiny shapes only)."""
+    H, G, S, d = q.shape[2], k.shape[2], q.shape[1], q.shape[3]
+    scale = d**-0.5 if scale is None else scale
+    s = torch.einsum("bshd,bthd->bhst", q, k.repeat_interleave(H // G, 2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhst,bthd->bshd", s.softmax(-1), v.repeat_interleave(H // G, 2))
+
+
+MODULE_ARGS = ("dim", "num_heads", "num_kv_heads", "head_dim")
+
+
+def make_module_inputs(*, B, S, dim, seed=0, dtype=torch.float32, **_):
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(B, S, dim, generator=gen, dtype=torch.float64)
+    dy = torch.randn(B, S, dim, generator=gen, dtype=torch.float64)
+    # batch row b starts at position 3*b: positions are global and need not start at 0
+    pos = torch.arange(S)[None] + 3 * torch.arange(B)[:, None]
+    return x.to(dtype), dy.to(dtype), pos
+
+
+def make_weights(cfg, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    D, H, G = cfg["dim"], cfg["num_heads"], cfg["num_kv_heads"]
+    d = cfg.get("head_dim") or D // H
+    shapes = {
+        "q_proj": (H * d, D),
+        "k_proj": (G * d, D),
+        "v_proj": (G * d, D),
+        "o_proj": (D, H * d),
+    }
+    return {n: (torch.randn(s, generator=gen) / D**0.5).to(dtype) for n, s in shapes.items()}
+
+
+def module_reference(cfg, *, causal=True, interleaved=False, theta=10000.0):
+    """y, dx and the weight gradients of the attention layer on the full sequence, in fp64."""
+    from upipe.rope import apply_rope, rope_cos_sin
+
+    x, dy, pos = make_module_inputs(**cfg, dtype=torch.float64)
+    w = {n: t.double().requires_grad_() for n, t in make_weights(cfg, dtype=torch.float64).items()}
+    x.requires_grad_()
+    B, S, _ = x.shape
+    d = cfg.get("head_dim") or cfg["dim"] // cfg["num_heads"]
+    cos, sin = rope_cos_sin(pos, d, theta=theta, interleaved=interleaved, dtype=torch.float64)
+    q = apply_rope((x @ w["q_proj"].t()).view(B, S, -1, d), cos, sin, interleaved=interleaved)
+    k = apply_rope((x @ w["k_proj"].t()).view(B, S, -1, d), cos, sin, interleaved=interleaved)
+    v = (x @ w["v_proj"].t()).view(B, S, -1, d)
+    y = attention_autograd(q, k, v, causal=causal).flatten(2) @ w["o_proj"].t()
+    y.backward(dy)
+    return {"y": y.detach(), "dx": x.grad, **{n: t.grad for n, t in w.items()}}
+
+
+def run_module(rank, world_size, cfg, kwargs, dtype=torch.float32):
+    """Forward+backward of ContextParallelAttention on this rank's shard.
+
+    Returns the y and dx shards and this rank's weight-gradient contributions (fp64).
+    """
+    group = dist.group.WORLD
+    x, dy, pos = make_module_inputs(**cfg, dtype=dtype)
+    layer = upipe.ContextParallelAttention(
+        *(cfg.get(a) for a in MODULE_ARGS), group=group, dtype=dtype, **kwargs
+    )
+    with torch.no_grad():
+        for n, t in make_weights(cfg, dtype=dtype).items():
+            getattr(layer, n).weight.copy_(t)
+    xs = upipe.shard_sequence(x, group=group).requires_grad_()
+    y = layer(xs, upipe.shard_sequence(pos, group=group))
+    y.backward(upipe.shard_sequence(dy, group=group))
+    grads = {
+        n: getattr(layer, n).weight.grad.double() for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    return {"y": y.detach().double(), "dx": xs.grad.double(), **grads}

@@ -53,7 +53,8 @@ def head_to_seq(x_BShd: torch.Tensor, group) -> torch.Tensor:
     recv_CBLhd = torch.empty_like(send_CBLhd)  # recv[c] = my tokens for the heads of rank c
     dist.all_to_all_single(recv_CBLhd, send_CBLhd, group=group)
     del send_CBLhd
-    return recv_CBLhd.permute(1, 2, 0, 3, 4).reshape(B, S // C, C * h, d)
+    # a copy, except when h = 1 where reshape may return a strided view: make it contiguous
+    return recv_CBLhd.permute(1, 2, 0, 3, 4).reshape(B, S // C, C * h, d).contiguous()
 
 
 class SeqToHead(torch.autograd.Function):

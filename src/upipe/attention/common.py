@@ -125,10 +125,23 @@ def agree_across_ranks(group, local_check, signature_fn) -> None:
             )
 
 
-def validate_qkv(q, k, v, *, group, causal, softmax_scale, backend, replicate_kv, extra=None):
+def validate_qkv(
+    q,
+    k,
+    v,
+    *,
+    group,
+    causal,
+    softmax_scale,
+    backend,
+    replicate_kv,
+    extra=None,
+    extra_signature=None,
+):
     """Full validation of a strategy's (q, k, v) on every rank of `group`.
 
-    `extra` is an optional callable(C) with strategy-specific local checks.
+    `extra_signature` adds options all ranks must agree on. `extra` is an optional callable(C) with strategy-specific local checks, called once the
+    common checks passed (so q, k, v are valid 4-D tensors by then).
     """
     C = check_group(group)
 
@@ -154,6 +167,7 @@ def validate_qkv(q, k, v, *, group, causal, softmax_scale, backend, replicate_kv
             "device type": q.device.type,
             "causal": causal,
             "softmax_scale": softmax_scale,
+            **(extra_signature or {}),
         }
 
     agree_across_ranks(group, local, signature)

@@ -1,0 +1,243 @@
+"""UPipe with the projections and RoPE fused into the stage loop (the module's fast path).
+
+Legend: B batch, S full sequence, L = S / C local tokens, N = B * L, D model width,
+H query heads, G kv heads, U heads per stage, u = U / C query heads per rank per stage,
+n = C * k heads in a round's kv exchange, d head dim, C group size.
+
+Per round (kv heads `kv_idx`) and stage (query heads `q_idx`), on each rank:
+    k_BLnd = rope(x W_k[kv_idx]^T),  v_BLnd = x W_v[kv_idx]^T  --seq_to_head-->  k_BSkd, v_BSkd
+    q_BLUd = rope(x W_q[q_idx]^T)    --seq_to_head-->  q_BSud
+    out_BSud, lse = attention(q_BSud, k_BSkd, v_BSkd)  --head_to_seq-->  out_BLUd
+    y += out_BLUd W_o[:, q_idx]^T                       (fp32 accumulator)
+so full-head q/k/v never exist and o_proj needs no full-width input. Saved: x, the weights,
+cos/sin, out_BLHd (needed for dW_o and the kernel's backward) and lse.
+
+Backward per round and stage recomputes q/k/v from x, and never builds the full dout:
+    dout_BLUd = dy W_o[:, q_idx],       dW_o[:, q_idx] = dy^T out_BLUd
+    dq, dk, dv = attention_backward(...)                (dk, dv summed over the round in fp32)
+    dq_BLUd = rope^T(head_to_seq(dq)),  dW_q[q_idx] = dq^T x,  dx += dq W_q[q_idx]
+and per round dW_k, dW_v, dx += dk W_k[kv_idx] + dv W_v[kv_idx]; dx is one fp32 buffer.
+Parameter gradients are this rank's contribution (their sum over ranks is the full gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.comm import head_to_seq, seq_to_head
+from upipe.kernels import attention_backward, attention_forward
+from upipe.rope import apply_rope, apply_rope_backward
+
+
+def _index(heads, device):
+    return torch.tensor(heads, dtype=torch.long, device=device)
+
+
+def _rows(w_ndD, idx):
+    """Weight rows of the listed heads: [n, d, D] -> [len(idx) * d, D] (a small copy)."""
+    return w_ndD.index_select(0, idx).flatten(0, 1)
+
+
+def _addmm_(acc32, a, b):
+    """acc32 += a @ b, in fp32 whatever the inputs' dtype (no half-precision accumulation)."""
+    acc32.addmm_(a.to(acc32.dtype), b.to(acc32.dtype))
+
+
+def _heads_of(x_ND, w_rows, B, L, d, rope=None):
+    """x @ w_rows^T as [B, L, n, d], rotated if `rope` = (cos, sin, interleaved) is given."""
+    t_BLnd = (x_ND @ w_rows.t()).view(B, L, -1, d)
+    if rope is None:
+        return t_BLnd
+    cos, sin, interleaved = rope
+    return apply_rope(t_BLnd, cos, sin, interleaved=interleaved)
+
+
+def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, group):
+    k_BSkd = seq_to_head(_heads_of(x_ND, wk_rows, B, L, d, rope), group)
+    v_BSkd = seq_to_head(_heads_of(x_ND, wv_rows, B, L, d), group)
+    return k_BSkd, v_BSkd
+
+
+def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend):
+    B, L, D = x.shape
+    x_ND = x.reshape(B * L, D)
+    wq_HdD, wk_GdD, wv_GdD = wq.view(-1, d, D), wk.view(-1, d, D), wv.view(-1, d, D)
+    wo_DHd = wo.view(D, -1, d)
+    y32_ND = torch.zeros(B * L, D, dtype=torch.float32, device=x.device)
+    out_BLHd = x.new_empty(B, L, wq_HdD.shape[0], d)
+    lse_list = []
+    for rnd in rounds:
+        kv_idx = _index(rnd.kv_heads, x.device)
+        k_BSkd, v_BSkd = _kv_round(
+            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, group
+        )
+        for stage in rnd.stages:
+            q_idx = _index(stage, x.device)
+            q_BSud = seq_to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope), group)
+            out_BSud, lse_BuS = attention_forward(
+                q_BSud, k_BSkd, v_BSkd, causal=causal, softmax_scale=scale, backend=backend
+            )
+            del q_BSud
+            out_BLUd = head_to_seq(out_BSud, group)
+            del out_BSud
+            out_BLHd.index_copy_(2, q_idx, out_BLUd)
+            _addmm_(y32_ND, out_BLUd.view(B * L, -1), wo_DHd.index_select(1, q_idx).flatten(1).t())
+            del out_BLUd
+            lse_list.append(lse_BuS)
+        del k_BSkd, v_BSkd
+    return y32_ND.view(B, L, D).to(x.dtype), out_BLHd, lse_list
+
+
+def _backward(
+    dy, x, wq, wk, wv, wo, rope, out_BLHd, lse_list, rounds, d, group, causal, scale, backend
+):
+    B, L, D = x.shape
+    x_ND, dy_ND = x.reshape(B * L, D), dy.reshape(B * L, D)
+    wq_HdD, wk_GdD, wv_GdD = wq.view(-1, d, D), wk.view(-1, d, D), wv.view(-1, d, D)
+    wo_DHd = wo.view(D, -1, d)
+    dx32_ND = torch.zeros(B * L, D, dtype=torch.float32, device=x.device)
+    dwq_HdD, dwo_DHd = torch.empty_like(wq_HdD), torch.empty_like(wo_DHd)
+    # kv weight gradients: replicas (G < C) add up, so accumulate them in fp32
+    dwk32_GdD = torch.zeros(wk_GdD.shape, dtype=torch.float32, device=x.device)
+    dwv32_GdD = torch.zeros_like(dwk32_GdD)
+    lse_iter = iter(lse_list)
+    for rnd in rounds:
+        kv_idx = _index(rnd.kv_heads, x.device)
+        wk_rows, wv_rows = _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx)
+        k_BSkd, v_BSkd = _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, group)
+        dk32_BSkd = torch.zeros(k_BSkd.shape, dtype=torch.float32, device=x.device)
+        dv32_BSkd = torch.zeros_like(dk32_BSkd)
+        for stage in rnd.stages:
+            q_idx = _index(stage, x.device)
+            wq_rows = _rows(wq_HdD, q_idx)
+            wo_cols = wo_DHd.index_select(1, q_idx).flatten(1)  # [D, U*d]
+            q_BSud = seq_to_head(_heads_of(x_ND, wq_rows, B, L, d, rope), group)
+            out_BLUd = out_BLHd.index_select(2, q_idx)
+            dout_BLUd = (dy_ND @ wo_cols).view(B, L, -1, d)
+            dwo_DHd.index_copy_(1, q_idx, (dy_ND.t() @ out_BLUd.view(B * L, -1)).view(D, -1, d))
+            out_BSud = seq_to_head(out_BLUd, group)
+            del out_BLUd
+            dout_BSud = seq_to_head(dout_BLUd, group)
+            del dout_BLUd
+            dq_BSud, dk_BSkd, dv_BSkd = attention_backward(
+                dout_BSud,
+                q_BSud,
+                k_BSkd,
+                v_BSkd,
+                out_BSud,
+                next(lse_iter),
+                causal=causal,
+                softmax_scale=scale,
+                backend=backend,
+            )
+            del dout_BSud, q_BSud, out_BSud
+            dk32_BSkd += dk_BSkd
+            dv32_BSkd += dv_BSkd
+            del dk_BSkd, dv_BSkd
+            dq_BLUd = head_to_seq(dq_BSud, group)
+            del dq_BSud
+            dq_BLUd = apply_rope_backward(dq_BLUd, rope[0], rope[1], interleaved=rope[2])
+            dq_NUd = dq_BLUd.view(B * L, -1)
+            dwq_HdD.index_copy_(0, q_idx, (dq_NUd.t() @ x_ND).view(-1, d, D))
+            _addmm_(dx32_ND, dq_NUd, wq_rows)
+            del dq_BLUd, dq_NUd
+        del k_BSkd, v_BSkd
+        for d32_BSkd, w_rows, dw32, rotated in (
+            (dk32_BSkd, wk_rows, dwk32_GdD, True),
+            (dv32_BSkd, wv_rows, dwv32_GdD, False),
+        ):
+            g_BLnd = head_to_seq(d32_BSkd.to(x.dtype), group)
+            if rotated:
+                g_BLnd = apply_rope_backward(g_BLnd, rope[0], rope[1], interleaved=rope[2])
+            g_Nn = g_BLnd.view(B * L, -1)
+            dw32.index_add_(0, kv_idx, (g_Nn.t() @ x_ND).view(-1, d, D).float())
+            _addmm_(dx32_ND, g_Nn, w_rows)
+            del g_BLnd, g_Nn
+        del dk32_BSkd, dv32_BSkd
+    return (
+        dx32_ND.view(B, L, D).to(x.dtype),
+        dwq_HdD.view_as(wq),
+        dwk32_GdD.to(wk.dtype).view_as(wk),
+        dwv32_GdD.to(wv.dtype).view_as(wv),
+        dwo_DHd.view_as(wo),
+    )
+
+
+class _FusedUPipe(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x, wq, wk, wv, wo, cos, sin, interleaved, rounds, d, group, causal, scale, backend
+    ):
+        rope = (cos, sin, interleaved)
+        y, out_BLHd, lse_list = _forward(
+            x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend
+        )
+        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out_BLHd)
+        ctx.lse_list = lse_list
+        ctx.args = (interleaved, rounds, d, group, causal, scale, backend)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wq, wk, wv, wo, cos, sin, out_BLHd = ctx.saved_tensors
+        interleaved, rounds, d, group, causal, scale, backend = ctx.args
+        grads = _backward(
+            dy.contiguous(),
+            x,
+            wq,
+            wk,
+            wv,
+            wo,
+            (cos, sin, interleaved),
+            out_BLHd,
+            ctx.lse_list,
+            rounds,
+            d,
+            group,
+            causal,
+            scale,
+            backend,
+        )
+        return (*grads, *([None] * 9))
+
+
+def fused_upipe_attention(
+    x,
+    wq,
+    wk,
+    wv,
+    wo,
+    cos,
+    sin,
+    *,
+    rounds,
+    head_dim,
+    group,
+    causal=True,
+    softmax_scale=None,
+    backend=None,
+    rope_interleaved=False,
+):
+    """y = o_proj(UPipe(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with everything staged.
+
+    x `[B, L, D]` (this rank's contiguous shard), weights in `torch.nn.Linear` layout
+    (wq `[H*d, D]`, wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's
+    global positions, `rounds` from `upipe.attention.schedule.plan_rounds`. Inputs are not
+    validated here: `ContextParallelAttention` does that.
+    """
+    return _FusedUPipe.apply(
+        x,
+        wq,
+        wk,
+        wv,
+        wo,
+        cos,
+        sin,
+        rope_interleaved,
+        rounds,
+        head_dim,
+        group,
+        causal,
+        softmax_scale,
+        backend,
+    )

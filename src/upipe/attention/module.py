@@ -1,0 +1,169 @@
+"""`ContextParallelAttention`: a Llama/Qwen attention layer over a sequence-sharded input.
+
+Legend: B batch, L local tokens, D model width, H query heads, G kv heads, d head dim.
+
+Parameters are `torch.nn.Linear` layers named and shaped as in Hugging Face Llama/Qwen
+(`q_proj` [H*d, D], `k_proj`/`v_proj` [G*d, D], `o_proj` [D, H*d], no bias), so their
+weights load unchanged. Strategies:
+- "ulysses": q/k/v projections and RoPE in autograd, `ulysses_attention`, then `o_proj`;
+- "upipe": the fused staged op (fused.py): projections, RoPE and o_proj run per stage
+  inside the op and are recomputed in backward, so full-head q/k/v and the full attention
+  output gradient never exist.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from upipe.attention.common import _divisors, agree_across_ranks, check_group
+from upipe.attention.fused import fused_upipe_attention
+from upipe.attention.schedule import check_heads_per_stage, plan_rounds
+from upipe.attention.ulysses import ulysses_attention
+from upipe.rope import apply_rope, rope_cos_sin
+
+MODULE_STRATEGIES = ("upipe", "ulysses")
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal self-attention with RoPE on this rank's contiguous shard of the sequence.
+
+    `forward(x, position_ids)`: x `[B, L, D]` holds tokens r*L .. (r+1)*L-1 of the full
+    sequence on rank r of `group`, position_ids `[B, L]` their global positions; returns
+    `[B, L, D]`. All ranks call it together (it communicates).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int | None = None,
+        *,
+        group,
+        strategy: str = "upipe",
+        heads_per_stage: int | None = None,
+        rope_theta: float = 10000.0,
+        rope_interleaved: bool = False,
+        causal: bool = True,
+        backend: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        C = check_group(group)
+        if strategy not in MODULE_STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {MODULE_STRATEGIES}")
+        for name, val in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(
+                    f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim"
+                )
+            head_dim = dim // num_heads
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embeddings), got {head_dim}")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}); valid: "
+                f"{_divisors(num_heads)}"
+            )
+        if num_heads % C:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be divisible by the context-parallel size ({C}); "
+                f"use a size in {_divisors(num_heads)}"
+            )
+        if strategy == "ulysses" and num_kv_heads % C:
+            raise ValueError(
+                f"strategy 'ulysses' needs num_kv_heads ({num_kv_heads}) divisible by the "
+                f"context-parallel size ({C}); use strategy='upipe' (replicates kv heads) or a "
+                f"size in {_divisors(num_kv_heads)}"
+            )
+        if strategy == "upipe":
+            if num_kv_heads % C and C % num_kv_heads:
+                raise ValueError(
+                    f"num_kv_heads ({num_kv_heads}) and the context-parallel size ({C}) must "
+                    "divide one another"
+                )
+            heads_per_stage = check_heads_per_stage(num_heads, num_kv_heads, C, heads_per_stage)
+            self.rounds = plan_rounds(num_heads, num_kv_heads, C, heads_per_stage)
+        elif heads_per_stage is not None:
+            raise ValueError("heads_per_stage applies to strategy='upipe' only")
+        self.group, self.strategy, self.heads_per_stage = group, strategy, heads_per_stage
+        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = (
+            dim,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.causal, self.backend = causal, backend
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, **kw)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, **kw)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, **kw)
+
+    def extra_repr(self) -> str:
+        return (
+            f"strategy={self.strategy!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, heads_per_stage={self.heads_per_stage}, "
+            f"group_size={torch.distributed.get_world_size(self.group)}"
+        )
+
+    def _validate(self, x, position_ids):
+        def local():
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"x must be [batch, local_seq, {self.dim}], got {got}")
+            if not isinstance(position_ids, torch.Tensor) or position_ids.shape != x.shape[:2]:
+                got = (
+                    tuple(position_ids.shape)
+                    if isinstance(position_ids, torch.Tensor)
+                    else type(position_ids).__name__
+                )
+                raise ValueError(
+                    f"position_ids must be [batch, local_seq] = {tuple(x.shape[:2])}, got {got}"
+                )
+            if position_ids.dtype.is_floating_point:
+                raise ValueError(f"position_ids must be integers, got {position_ids.dtype}")
+            if x.dtype != self.q_proj.weight.dtype:
+                raise ValueError(
+                    f"x has dtype {x.dtype} but the weights have {self.q_proj.weight.dtype}"
+                )
+
+        agree_across_ranks(
+            self.group, local, lambda: {"x shape": tuple(x.shape), "dtype": str(x.dtype)}
+        )
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        self._validate(x, position_ids)
+        d = self.head_dim
+        cos, sin = rope_cos_sin(
+            position_ids, d, theta=self.rope_theta, interleaved=self.rope_interleaved, dtype=x.dtype
+        )
+        if self.strategy == "upipe":
+            return fused_upipe_attention(
+                x,
+                self.q_proj.weight,
+                self.k_proj.weight,
+                self.v_proj.weight,
+                self.o_proj.weight,
+                cos,
+                sin,
+                rounds=self.rounds,
+                head_dim=d,
+                group=self.group,
+                causal=self.causal,
+                backend=self.backend,
+                rope_interleaved=self.rope_interleaved,
+            )
+        B, L, _ = x.shape
+        rot = dict(interleaved=self.rope_interleaved)
+        q = apply_rope(self.q_proj(x).view(B, L, -1, d), cos, sin, **rot)
+        k = apply_rope(self.k_proj(x).view(B, L, -1, d), cos, sin, **rot)
+        v = self.v_proj(x).view(B, L, -1, d)
+        out = ulysses_attention(q, k, v, group=self.group, causal=self.causal, backend=self.backend)
+        return self.o_proj(out.flatten(2))

@@ -1,0 +1,144 @@
+"""UPipe: Ulysses attention run in stages of U heads (headwise chunking).
+
+Legend: B batch, S full sequence, L = S / C local tokens, H query heads, G kv heads,
+U heads per stage, u = U / C query heads per rank per stage, k kv heads per rank per round,
+d head dim, C group size. Head schedule (rounds of kv heads, stages of query heads):
+schedule.py.
+
+Forward, for each round: kv_BLkd (the round's kv heads) --seq_to_head--> kv_BSkd; then for
+each stage of the round:
+    q_BLUd --seq_to_head--> q_BSud;  out_BSud, lse = attention(q_BSud, k_BSkd, v_BSkd)
+    out_BSud --head_to_seq--> out_BLUd, written into the preallocated out_BLHd
+Backward repeats the exchange per round and stage (q, k, v, out and dout slices are sent
+again), runs the kernel backward with the saved lse, sums dk/dv over the round's stages in
+fp32 and sends them back once per round.
+
+Live at a time: one round's kv buffers and one stage's buffers -- the head-proportional
+intermediates shrink by U / H against Ulysses. Saved for backward: only lse (q, k, v and
+out exist anyway). The fused module (fused.py) also folds the projections in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.attention.common import validate_qkv
+from upipe.attention.schedule import check_heads_per_stage, plan_rounds
+from upipe.comm import head_to_seq, seq_to_head
+from upipe.kernels import attention_backward, attention_forward
+
+
+def _heads(t_BLnd, idx):
+    """The listed heads of t, as a new contiguous [B, L, len(idx), d] tensor."""
+    return t_BLnd.index_select(2, idx)
+
+
+def _index(heads, device):
+    return torch.tensor(heads, dtype=torch.long, device=device)
+
+
+def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, group, causal, scale, backend):
+    out_BLHd = torch.empty_like(q_BLHd)
+    lse_list = []
+    for rnd in rounds:
+        kv_idx = _index(rnd.kv_heads, q_BLHd.device)
+        k_BSkd = seq_to_head(_heads(k_BLGd, kv_idx), group)
+        v_BSkd = seq_to_head(_heads(v_BLGd, kv_idx), group)
+        for stage in rnd.stages:
+            q_idx = _index(stage, q_BLHd.device)
+            q_BSud = seq_to_head(_heads(q_BLHd, q_idx), group)
+            out_BSud, lse_BuS = attention_forward(
+                q_BSud, k_BSkd, v_BSkd, causal=causal, softmax_scale=scale, backend=backend
+            )
+            del q_BSud
+            out_BLHd.index_copy_(2, q_idx, head_to_seq(out_BSud, group))
+            lse_list.append(lse_BuS)
+        del k_BSkd, v_BSkd
+    return out_BLHd, lse_list
+
+
+def _backward(
+    dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, group, causal, scale, backend
+):
+    dq_BLHd = torch.empty_like(q_BLHd)
+    # kv gradients: replicas (G < C) are summed here, in fp32
+    dk32_BLGd = torch.zeros(k_BLGd.shape, dtype=torch.float32, device=k_BLGd.device)
+    dv32_BLGd = torch.zeros_like(dk32_BLGd)
+    lse_iter = iter(lse_list)
+    for rnd in rounds:
+        kv_idx = _index(rnd.kv_heads, q_BLHd.device)
+        k_BSkd = seq_to_head(_heads(k_BLGd, kv_idx), group)
+        v_BSkd = seq_to_head(_heads(v_BLGd, kv_idx), group)
+        dk32_BSkd = torch.zeros(k_BSkd.shape, dtype=torch.float32, device=k_BSkd.device)
+        dv32_BSkd = torch.zeros_like(dk32_BSkd)
+        for stage in rnd.stages:
+            q_idx = _index(stage, q_BLHd.device)
+            q_BSud, out_BSud, dout_BSud = (
+                seq_to_head(_heads(t, q_idx), group) for t in (q_BLHd, out_BLHd, dout_BLHd)
+            )
+            dq_BSud, dk_BSkd, dv_BSkd = attention_backward(
+                dout_BSud,
+                q_BSud,
+                k_BSkd,
+                v_BSkd,
+                out_BSud,
+                next(lse_iter),
+                causal=causal,
+                softmax_scale=scale,
+                backend=backend,
+            )
+            del q_BSud, out_BSud, dout_BSud
+            dk32_BSkd += dk_BSkd
+            dv32_BSkd += dv_BSkd
+            del dk_BSkd, dv_BSkd
+            dq_BLHd.index_copy_(2, q_idx, head_to_seq(dq_BSud, group))
+        del k_BSkd, v_BSkd
+        for acc_BLGd, d32_BSkd in ((dk32_BLGd, dk32_BSkd), (dv32_BLGd, dv32_BSkd)):
+            acc_BLGd.index_add_(2, kv_idx, head_to_seq(d32_BSkd.to(k_BLGd.dtype), group))
+        del dk32_BSkd, dv32_BSkd
+    return dq_BLHd, dk32_BLGd.to(k_BLGd.dtype), dv32_BLGd.to(v_BLGd.dtype)
+
+
+class _UPipeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rounds, group, causal, scale, backend):
+        out, lse_list = _forward(q, k, v, rounds, group, causal, scale, backend)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.lse_list = lse_list
+        ctx.args = (rounds, group, causal, scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out = ctx.saved_tensors
+        grads = _backward(dout.contiguous(), q, k, v, out, ctx.lse_list, *ctx.args)
+        return (*grads, None, None, None, None, None)
+
+
+def upipe_attention(
+    q, k, v, *, group, heads_per_stage=None, causal=True, softmax_scale=None, backend=None
+):
+    """Ulysses attention in stages of `heads_per_stage` heads; same contract and result.
+
+    q `[B, L, H, d]`, k/v `[B, L, G, d]`, the sequence sharded contiguously across `group`
+    (rank r holds tokens r*L .. (r+1)*L-1); returns `[B, L, H, d]`. `heads_per_stage` (U)
+    defaults to the group size C (one head per rank per stage); any multiple of C that
+    divides H and fits the GQA schedule (see `upipe.attention.schedule`); U = H is plain
+    Ulysses. G may be smaller than C (kv heads are replicated) if it divides C.
+    """
+    validate_qkv(
+        q,
+        k,
+        v,
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        replicate_kv=True,
+        extra=lambda C: check_heads_per_stage(q.shape[2], k.shape[2], C, heads_per_stage),
+        extra_signature={"heads_per_stage": heads_per_stage},
+    )
+    H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(group)
+    U = check_heads_per_stage(H, G, C, heads_per_stage)
+    rounds = plan_rounds(H, G, C, U)
+    return _UPipeAttention.apply(q, k, v, rounds, group, causal, softmax_scale, backend)
