@@ -171,3 +171,40 @@ def validate_qkv(
         }
 
     agree_across_ranks(group, local, signature)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def save_for_backward(ctx, keep, free) -> None:
+    """Save tensors for backward; those in `free`, backward may release one by one.
+
+    `keep` (inputs, weights) goes through `ctx.save_for_backward` as usual. Without
+    saved-tensor hooks, `free` is kept as plain references on `ctx` that `saved_for_backward`
+    hands over, so backward can drop each intermediate as soon as it is used. Under hooks
+    (activation checkpointing, CPU offload) `free` goes through `ctx.save_for_backward` too,
+    so the hooks see it, and is released when backward returns.
+    """
+    keep, free = list(keep), list(free)
+    ctx.n_keep = len(keep)
+    if _saved_tensor_hooks_active():
+        ctx.stash = None
+        ctx.save_for_backward(*keep, *free)
+    else:
+        ctx.stash = free
+        ctx.save_for_backward(*keep)
+
+
+def saved_for_backward(ctx) -> tuple[list, list]:
+    """(keep, free) as given to `save_for_backward`; the caller owns both lists."""
+    saved = list(ctx.saved_tensors)
+    if ctx.stash is None:
+        return saved[: ctx.n_keep], saved[ctx.n_keep :]
+    if ctx.stash is False:
+        raise RuntimeError(
+            "backward through this attention op ran twice; it frees its buffers during the "
+            "first backward (retain_graph=True is not supported)"
+        )
+    stash, ctx.stash = ctx.stash, False
+    return saved, stash

@@ -10,13 +10,14 @@ Per round (kv heads `kv_idx`) and stage (query heads `q_idx`), on each rank:
     out_BSud, lse = attention(q_BSud, k_BSkd, v_BSkd)  --head_to_seq-->  out_BLUd
     y += out_BLUd W_o[:, q_idx]^T                       (fp32 accumulator)
 so full-head q/k/v never exist and o_proj needs no full-width input. Saved: x, the weights,
-cos/sin, out_BLHd (needed for dW_o and the kernel's backward) and lse.
+cos/sin, each stage's out_BLUd (needed for dW_o and the kernel's backward) and lse.
 
 Backward per round and stage recomputes q/k/v from x, and never builds the full dout:
     dout_BLUd = dy W_o[:, q_idx],       dW_o[:, q_idx] = dy^T out_BLUd
     dq, dk, dv = attention_backward(...)                (dk, dv summed over the round in fp32)
-    dq_BLUd = rope^T(head_to_seq(dq)),  dW_q[q_idx] = dq^T x,  dx += dq W_q[q_idx]
-and per round dW_k, dW_v, dx += dk W_k[kv_idx] + dv W_v[kv_idx]; dx is one fp32 buffer.
+    dq_BLUd = rope^T(head_to_seq(dq)),  dW_q[q_idx] = dq^T x,   dx += dq_BLUd W_q[q_idx]
+and per round dW_k, dW_v, dx += dk W_k[kv_idx] + dv W_v[kv_idx]; dx is one fp32 buffer,
+built at the end from the waiting projection gradients (see `_backward`).
 Parameter gradients are this rank's contribution (their sum over ranks is the full gradient).
 """
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from upipe.attention.common import save_for_backward, saved_for_backward
+from upipe.attention.upipe import acc_dtype, accumulate
 from upipe.comm import head_to_seq, seq_to_head
 from upipe.kernels import attention_backward, attention_forward
 from upipe.rope import apply_rope, apply_rope_backward
@@ -39,8 +42,42 @@ def _rows(w_ndD, idx):
 
 
 def _addmm_(acc32, a, b):
-    """acc32 += a @ b, in fp32 whatever the inputs' dtype (no half-precision accumulation)."""
+    """acc32 += a @ b in the accumulator's dtype (fp32 or wider: no half-precision sums)."""
     acc32.addmm_(a.to(acc32.dtype), b.to(acc32.dtype))
+
+
+class _DxAccumulator:
+    """dx = sum of g @ w[idx] over the projection gradients g, built as late as pays off.
+
+    Parts wait (each is small: a stage's or a round's heads) until together they are as big
+    as dx; then dx is allocated (fp32) and every later part is folded in at once. While the
+    parts wait, the stage outputs they replace are being freed, so the two share one budget.
+    """
+
+    def __init__(self, N, D, dtype, device):
+        self.shape, self.dtype, self.device = (N, D), acc_dtype(dtype), device
+        self.dx32_ND = None
+        self.waiting, self.waiting_bytes = [], 0
+
+    def add(self, g_Nn, w_ndD, idx):
+        self.waiting.append((g_Nn, w_ndD, idx))
+        self.waiting_bytes += g_Nn.numel() * g_Nn.element_size()
+        dx_bytes = self.shape[0] * self.shape[1] * self.dtype.itemsize
+        if self.dx32_ND is not None or self.waiting_bytes >= dx_bytes:
+            self._fold()
+
+    def _fold(self):
+        if self.dx32_ND is None:
+            self.dx32_ND = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        while self.waiting:
+            g_Nn, w_ndD, idx = self.waiting.pop()
+            _addmm_(self.dx32_ND, g_Nn, _rows(w_ndD, idx))
+            del g_Nn
+        self.waiting_bytes = 0
+
+    def result(self):
+        self._fold()
+        return self.dx32_ND
 
 
 def _heads_of(x_ND, w_rows, B, L, d, rope=None):
@@ -59,13 +96,13 @@ def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, group):
 
 
 def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend):
+    """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse."""
     B, L, D = x.shape
     x_ND = x.reshape(B * L, D)
     wq_HdD, wk_GdD, wv_GdD = wq.view(-1, d, D), wk.view(-1, d, D), wv.view(-1, d, D)
     wo_DHd = wo.view(D, -1, d)
-    y32_ND = torch.zeros(B * L, D, dtype=torch.float32, device=x.device)
-    out_BLHd = x.new_empty(B, L, wq_HdD.shape[0], d)
-    lse_list = []
+    y32_ND = torch.zeros(B * L, D, dtype=acc_dtype(x.dtype), device=x.device)
+    out_slices, lse_list = [], []
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
         k_BSkd, v_BSkd = _kv_round(
@@ -80,39 +117,43 @@ def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend):
             del q_BSud
             out_BLUd = head_to_seq(out_BSud, group)
             del out_BSud
-            out_BLHd.index_copy_(2, q_idx, out_BLUd)
             _addmm_(y32_ND, out_BLUd.view(B * L, -1), wo_DHd.index_select(1, q_idx).flatten(1).t())
-            del out_BLUd
+            out_slices.append(out_BLUd)
             lse_list.append(lse_BuS)
         del k_BSkd, v_BSkd
-    return y32_ND.view(B, L, D).to(x.dtype), out_BLHd, lse_list
+    return y32_ND.view(B, L, D).to(x.dtype), out_slices, lse_list
 
 
 def _backward(
-    dy, x, wq, wk, wv, wo, rope, out_BLHd, lse_list, rounds, d, group, causal, scale, backend
+    dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, group, causal, scale, backend
 ):
+    """Gradients (dx, dwq, dwk, dwv, dwo). Empties `out_slices` and `lse_list` as it goes.
+
+    Memory: each stage's saved output is freed once its stage is done, and the projection
+    gradients dq (and per round dk, dv) wait in the sequence layout until they are as big as
+    dx (`_DxAccumulator`), so the saved outputs still to use and the gradients already made
+    share about one [B, L, H*d] budget instead of needing out and dx side by side.
+    """
     B, L, D = x.shape
     x_ND, dy_ND = x.reshape(B * L, D), dy.reshape(B * L, D)
     wq_HdD, wk_GdD, wv_GdD = wq.view(-1, d, D), wk.view(-1, d, D), wv.view(-1, d, D)
     wo_DHd = wo.view(D, -1, d)
-    dx32_ND = torch.zeros(B * L, D, dtype=torch.float32, device=x.device)
     dwq_HdD, dwo_DHd = torch.empty_like(wq_HdD), torch.empty_like(wo_DHd)
     # kv weight gradients: replicas (G < C) add up, so accumulate them in fp32
-    dwk32_GdD = torch.zeros(wk_GdD.shape, dtype=torch.float32, device=x.device)
+    dwk32_GdD = torch.zeros(wk_GdD.shape, dtype=acc_dtype(x.dtype), device=x.device)
     dwv32_GdD = torch.zeros_like(dwk32_GdD)
-    lse_iter = iter(lse_list)
+    dx = _DxAccumulator(B * L, D, x.dtype, x.device)
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
-        wk_rows, wv_rows = _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx)
-        k_BSkd, v_BSkd = _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, group)
-        dk32_BSkd = torch.zeros(k_BSkd.shape, dtype=torch.float32, device=x.device)
-        dv32_BSkd = torch.zeros_like(dk32_BSkd)
+        k_BSkd, v_BSkd = _kv_round(
+            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, group
+        )
+        dk32_BSkd = dv32_BSkd = None
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
-            wq_rows = _rows(wq_HdD, q_idx)
+            q_BSud = seq_to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope), group)
+            out_BLUd = out_slices.pop(0)
             wo_cols = wo_DHd.index_select(1, q_idx).flatten(1)  # [D, U*d]
-            q_BSud = seq_to_head(_heads_of(x_ND, wq_rows, B, L, d, rope), group)
-            out_BLUd = out_BLHd.index_select(2, q_idx)
             dout_BLUd = (dy_ND @ wo_cols).view(B, L, -1, d)
             dwo_DHd.index_copy_(1, q_idx, (dy_ND.t() @ out_BLUd.view(B * L, -1)).view(D, -1, d))
             out_BSud = seq_to_head(out_BLUd, group)
@@ -125,37 +166,37 @@ def _backward(
                 k_BSkd,
                 v_BSkd,
                 out_BSud,
-                next(lse_iter),
+                lse_list.pop(0),
                 causal=causal,
                 softmax_scale=scale,
                 backend=backend,
             )
             del dout_BSud, q_BSud, out_BSud
-            dk32_BSkd += dk_BSkd
-            dv32_BSkd += dv_BSkd
+            dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
+            dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
             dq_BLUd = head_to_seq(dq_BSud, group)
             del dq_BSud
             dq_BLUd = apply_rope_backward(dq_BLUd, rope[0], rope[1], interleaved=rope[2])
             dq_NUd = dq_BLUd.view(B * L, -1)
             dwq_HdD.index_copy_(0, q_idx, (dq_NUd.t() @ x_ND).view(-1, d, D))
-            _addmm_(dx32_ND, dq_NUd, wq_rows)
+            dx.add(dq_NUd, wq_HdD, q_idx)
             del dq_BLUd, dq_NUd
         del k_BSkd, v_BSkd
-        for d32_BSkd, w_rows, dw32, rotated in (
-            (dk32_BSkd, wk_rows, dwk32_GdD, True),
-            (dv32_BSkd, wv_rows, dwv32_GdD, False),
+        for d32_BSkd, w_GdD, dw32_GdD, rotated in (
+            (dk32_BSkd, wk_GdD, dwk32_GdD, True),
+            (dv32_BSkd, wv_GdD, dwv32_GdD, False),
         ):
             g_BLnd = head_to_seq(d32_BSkd.to(x.dtype), group)
             if rotated:
                 g_BLnd = apply_rope_backward(g_BLnd, rope[0], rope[1], interleaved=rope[2])
             g_Nn = g_BLnd.view(B * L, -1)
-            dw32.index_add_(0, kv_idx, (g_Nn.t() @ x_ND).view(-1, d, D).float())
-            _addmm_(dx32_ND, g_Nn, w_rows)
+            dw32_GdD.index_add_(0, kv_idx, (g_Nn.t() @ x_ND).view(-1, d, D).to(dw32_GdD.dtype))
+            dx.add(g_Nn, w_GdD, kv_idx)
             del g_BLnd, g_Nn
         del dk32_BSkd, dv32_BSkd
     return (
-        dx32_ND.view(B, L, D).to(x.dtype),
+        dx.result().view(B, L, D).to(x.dtype),
         dwq_HdD.view_as(wq),
         dwk32_GdD.to(wk.dtype).view_as(wk),
         dwv32_GdD.to(wv.dtype).view_as(wv),
@@ -169,18 +210,21 @@ class _FusedUPipe(torch.autograd.Function):
         ctx, x, wq, wk, wv, wo, cos, sin, interleaved, rounds, d, group, causal, scale, backend
     ):
         rope = (cos, sin, interleaved)
-        y, out_BLHd, lse_list = _forward(
+        y, out_slices, lse_list = _forward(
             x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend
         )
-        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out_BLHd)
-        ctx.lse_list = lse_list
+        # backward frees the stage outputs and lse stage by stage
+        save_for_backward(ctx, keep=(x, wq, wk, wv, wo, cos, sin), free=out_slices + lse_list)
         ctx.args = (interleaved, rounds, d, group, causal, scale, backend)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, wq, wk, wv, wo, cos, sin, out_BLHd = ctx.saved_tensors
+        (x, wq, wk, wv, wo, cos, sin), stashed = saved_for_backward(ctx)
         interleaved, rounds, d, group, causal, scale, backend = ctx.args
+        n = len(stashed) // 2
+        out_slices, lse_list = stashed[:n], stashed[n:]
+        del stashed
         grads = _backward(
             dy.contiguous(),
             x,
@@ -189,8 +233,8 @@ class _FusedUPipe(torch.autograd.Function):
             wv,
             wo,
             (cos, sin, interleaved),
-            out_BLHd,
-            ctx.lse_list,
+            out_slices,
+            lse_list,
             rounds,
             d,
             group,

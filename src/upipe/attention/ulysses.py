@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from upipe.attention.common import validate_qkv
+from upipe.attention.common import save_for_backward, saved_for_backward, validate_qkv
 from upipe.comm import head_to_seq, seq_to_head
 from upipe.kernels import attention_backward, attention_forward
 
@@ -50,18 +50,13 @@ class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, backend):
         out, saved = _forward(q, k, v, group, causal, scale, backend)
-        # intermediates only (never user-visible), kept in a list so backward can free them
-        # one by one instead of holding all of them until it returns
-        ctx.saved = list(saved)
+        save_for_backward(ctx, keep=(), free=saved)  # backward frees them one by one
         ctx.args = (group, causal, scale, backend)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.saved is None:
-            raise RuntimeError("ulysses_attention: backward called twice; use retain_graph=False")
-        saved, ctx.saved = ctx.saved, None
-        grads = _backward(dout.contiguous(), saved, *ctx.args)
+        grads = _backward(dout.contiguous(), saved_for_backward(ctx)[1], *ctx.args)
         return (*grads, None, None, None, None)
 
 

@@ -28,6 +28,20 @@ from upipe.comm import head_to_seq, seq_to_head
 from upipe.kernels import attention_backward, attention_forward
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, or the input's dtype when wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def accumulate(acc, t):
+    """acc + t in `acc_dtype`; the first term (acc None) becomes the accumulator, without a
+    copy when it already has that dtype (so a round of one stage costs no extra buffer)."""
+    if acc is None:
+        return t.to(acc_dtype(t.dtype))
+    acc += t
+    return acc
+
+
 def _heads(t_BLnd, idx):
     """The listed heads of t, as a new contiguous [B, L, len(idx), d] tensor."""
     return t_BLnd.index_select(2, idx)
@@ -62,15 +76,14 @@ def _backward(
 ):
     dq_BLHd = torch.empty_like(q_BLHd)
     # kv gradients: replicas (G < C) are summed here, in fp32
-    dk32_BLGd = torch.zeros(k_BLGd.shape, dtype=torch.float32, device=k_BLGd.device)
+    dk32_BLGd = torch.zeros(k_BLGd.shape, dtype=acc_dtype(k_BLGd.dtype), device=k_BLGd.device)
     dv32_BLGd = torch.zeros_like(dk32_BLGd)
     lse_iter = iter(lse_list)
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, q_BLHd.device)
         k_BSkd = seq_to_head(_heads(k_BLGd, kv_idx), group)
         v_BSkd = seq_to_head(_heads(v_BLGd, kv_idx), group)
-        dk32_BSkd = torch.zeros(k_BSkd.shape, dtype=torch.float32, device=k_BSkd.device)
-        dv32_BSkd = torch.zeros_like(dk32_BSkd)
+        dk32_BSkd = dv32_BSkd = None
         for stage in rnd.stages:
             q_idx = _index(stage, q_BLHd.device)
             q_BSud, out_BSud, dout_BSud = (
@@ -88,8 +101,8 @@ def _backward(
                 backend=backend,
             )
             del q_BSud, out_BSud, dout_BSud
-            dk32_BSkd += dk_BSkd
-            dv32_BSkd += dv_BSkd
+            dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
+            dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
             dq_BLHd.index_copy_(2, q_idx, head_to_seq(dq_BSud, group))
         del k_BSkd, v_BSkd
