@@ -140,8 +140,9 @@ def validate_qkv(
 ):
     """Full validation of a strategy's (q, k, v) on every rank of `group`.
 
-    `extra_signature` adds options all ranks must agree on. `extra` is an optional callable(C) with strategy-specific local checks, called once the
-    common checks passed (so q, k, v are valid 4-D tensors by then).
+    `extra_signature` adds options all ranks must agree on. `extra` is an optional
+    callable(C) with strategy-specific local checks, called once the common checks passed
+    (so q, k, v are valid 4-D tensors by then).
     """
     C = check_group(group)
 
