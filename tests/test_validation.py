@@ -87,12 +87,62 @@ BAD = [  # (description, per-rank (q, k, v) shapes or a list by rank, kwargs, er
 ]
 
 
-@pytest.mark.parametrize("strategy", ["ulysses"])
-@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+UPIPE_BAD = [
+    (
+        "G and C do not divide one another",
+        (_q(1, 8, 6, 8), _q(1, 8, 3, 8), _q(1, 8, 3, 8)),
+        {},
+        "ValueError",
+        r"kv heads \(3\) and the context-parallel size \(2\) must divide one another",
+    ),
+    (
+        "U not a multiple of C",
+        (S4, S4, S4),
+        {"heads_per_stage": 3},
+        "ValueError",
+        r"heads_per_stage \(3\) must be a multiple of the context-parallel size "
+        r"\(2\); valid values .*: \[2, 4\]",
+    ),
+    (
+        "U larger than H",
+        (S4, S4, S4),
+        {"heads_per_stage": 8},
+        "ValueError",
+        r"heads_per_stage \(8\) must divide the number of query heads \(4\)",
+    ),
+    (
+        "U does not divide H",
+        (_q(1, 8, 12, 8),) * 3,
+        {"heads_per_stage": 8},
+        "ValueError",
+        r"heads_per_stage \(8\) must divide the number of query heads \(12\)",
+    ),
+    (
+        "U does not fit the GQA schedule",
+        (_q(1, 8, 12, 8), _q(1, 8, 4, 8), _q(1, 8, 4, 8)),
+        {"heads_per_stage": 4},
+        "ValueError",
+        r"GQA scheduling.*valid values.*\[2, 6, 12\]",
+    ),
+    ("U not an int", (S4, S4, S4), {"heads_per_stage": 2.0}, "TypeError", r"must be an int"),
+    (
+        "U differs between ranks",
+        (S4, S4, S4),
+        "per-rank-U",
+        "ValueError",
+        r"ranks disagree.*heads_per_stage",
+    ),
+]
+CASES = [("ulysses", c) for c in BAD] + [
+    ("upipe", c) for c in BAD + UPIPE_BAD if c[0] != "G not divisible by C"
+]
+
+
+@pytest.mark.parametrize("strategy,case", CASES, ids=[f"{s}: {c[0]}" for s, c in CASES])
 def test_bad_input_raises_on_every_rank(clusters, strategy, case):
     _, shapes, kwargs, err, match = case
-    if kwargs == "per-rank-causal":
-        res = clusters(2).run(_per_rank_causal, strategy)
+    if kwargs in ("per-rank-causal", "per-rank-U"):
+        res = clusters(2).run(_per_rank_option, strategy, kwargs)
     else:
         res = clusters(2).run(expect_error, strategy, shapes, kwargs)
     for rank, r in enumerate(res):
@@ -103,8 +153,11 @@ def test_bad_input_raises_on_every_rank(clusters, strategy, case):
         assert re.search(match, r[1]), r[1]
 
 
-def _per_rank_causal(rank, world_size, strategy):
-    return expect_error(rank, world_size, strategy, (S4, S4, S4), {"causal": rank == 0})
+def _per_rank_option(rank, world_size, strategy, which):
+    kwargs = (
+        {"causal": rank == 0} if which == "per-rank-causal" else {"heads_per_stage": 2 + 2 * rank}
+    )
+    return expect_error(rank, world_size, strategy, (S4, S4, S4), kwargs)
 
 
 def test_dtype_and_type_errors(clusters):
@@ -130,3 +183,64 @@ def test_group_must_be_a_process_group():
     q = torch.randn(S4)
     with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
         upipe.ulysses_attention(q, q, q, group=None)
+
+
+MODULE_BAD = [
+    (dict(dim=32, num_heads=4, num_kv_heads=2, strategy="ring"), r"unknown strategy 'ring'"),
+    (
+        dict(dim=48, num_heads=6, num_kv_heads=2),
+        r"num_heads \(6\) must be divisible by the "
+        r"context-parallel size \(4\); use a size in \[1, 2, 3, 6\]",
+    ),
+    (dict(dim=32, num_heads=8, num_kv_heads=3), r"num_kv_heads \(3\) must divide num_heads"),
+    (dict(dim=30, num_heads=4, num_kv_heads=2), r"dim \(30\) is not divisible by num_heads"),
+    (
+        dict(dim=32, num_heads=8, num_kv_heads=2, strategy="ulysses"),
+        r"strategy 'ulysses' needs num_kv_heads \(2\) divisible .* use strategy='upipe'",
+    ),
+    (dict(dim=32, num_heads=8, num_kv_heads=8, heads_per_stage=6), r"heads_per_stage \(6\)"),
+    (
+        dict(dim=32, num_heads=8, num_kv_heads=8, strategy="ulysses", heads_per_stage=4),
+        r"heads_per_stage applies to strategy='upipe' only",
+    ),
+]
+
+
+def test_module_arguments_are_validated(clusters):
+    for msgs in clusters(4).run(_module_errors):
+        for m, (_, match) in zip(msgs, MODULE_BAD, strict=True):
+            assert m is not None and re.search(match, m), m
+
+
+def _module_errors(rank, world_size):
+    out = []
+    for kwargs, _ in MODULE_BAD:
+        try:
+            upipe.ContextParallelAttention(group=torch.distributed.group.WORLD, **kwargs)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_module_forward_checks_inputs_on_every_rank(clusters):
+    for r in clusters(2).run(_module_forward_errors):
+        assert "x must be [batch, local_seq, 32]" in r["x"]
+        assert "position_ids must be [batch, local_seq] = (1, 8)" in r["pos"]
+        assert "ranks disagree" in r["len"] and "x shape" in r["len"]
+
+
+def _module_forward_errors(rank, world_size):
+    torch.manual_seed(0)
+    layer = upipe.ContextParallelAttention(32, 4, 2, group=torch.distributed.group.WORLD)
+    out = {}
+    for key, x, pos in (
+        ("x", torch.randn(1, 8, 16), torch.arange(8)[None]),
+        ("pos", torch.randn(1, 8, 32), torch.arange(7)[None]),
+        ("len", torch.randn(1, 8 - 2 * rank, 32), torch.arange(8 - 2 * rank)[None]),
+    ):
+        try:
+            layer(x, pos)
+        except ValueError as e:
+            out[key] = str(e)
+    return out

@@ -158,3 +158,34 @@ def run_module(rank, world_size, cfg, kwargs, dtype=torch.float32):
         n: getattr(layer, n).weight.grad.double() for n in ("q_proj", "k_proj", "v_proj", "o_proj")
     }
     return {"y": y.detach().double(), "dx": xs.grad.double(), **grads}
+
+
+def functional_or_error(rank, world_size, strategy, shape, kwargs):
+    """Like run_functional, but a TypeError/ValueError is returned as (type name, message)."""
+    try:
+        return run_functional(rank, world_size, strategy, shape, kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+
+
+def module_under_hooks(rank, world_size, cfg, kwargs):
+    """The module's gradients with saved tensors offloaded to CPU (saved-tensor hooks on)."""
+    with torch.autograd.graph.save_on_cpu():
+        return run_module(rank, world_size, cfg, kwargs)
+
+
+def double_backward_error(rank, world_size, what):
+    """Backward twice through the functional Ulysses op or the fused UPipe module."""
+    group = dist.group.WORLD
+    if what == "ulysses":
+        q = torch.randn(1, 8, 4, 8, requires_grad=True)
+        out = upipe.ulysses_attention(q, q, q, group=group)
+    else:
+        layer = upipe.ContextParallelAttention(16, 4, 2, group=group, strategy="upipe")
+        out = layer(torch.randn(1, 8, 16), torch.arange(8)[None] + 8 * rank)
+    out.sum().backward(retain_graph=True)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None

@@ -38,6 +38,11 @@ def valid_heads_per_stage(H: int, G: int, C: int) -> list[int]:
 
 
 def _problem(H: int, G: int, C: int, U: int) -> str | None:
+    if H % G or H % C or (G % C and C % G):
+        return (
+            f"cannot be scheduled: {H} query heads and {G} kv heads need G | H, C | H and "
+            f"G, C dividing one another (C = {C})"
+        )
     if U % C:
         return f"must be a multiple of the context-parallel size ({C})"
     if U > H or H % U:
