@@ -1,7 +1,12 @@
 """upipe: memory-efficient context parallelism (UPipe: headwise-chunked Ulysses attention)."""
 
-from upipe.attention import ContextParallelAttention, ulysses_attention, upipe_attention
-from upipe.comm import shard_sequence, unshard_sequence
+from upipe.attention import (
+    ContextParallelAttention,
+    ring_attention,
+    ulysses_attention,
+    upipe_attention,
+)
+from upipe.comm import sequence_positions, shard_sequence, unshard_sequence
 from upipe.memory import MemoryTracker
 
 __version__ = "0.1.0"
@@ -9,6 +14,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ContextParallelAttention",
     "MemoryTracker",
+    "ring_attention",
+    "sequence_positions",
     "shard_sequence",
     "ulysses_attention",
     "unshard_sequence",

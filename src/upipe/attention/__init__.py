@@ -1,10 +1,18 @@
 """Context-parallel attention strategies, one file each, all with the same signature."""
 
 from upipe.attention.module import ContextParallelAttention
+from upipe.attention.ring import ring_attention
 from upipe.attention.ulysses import ulysses_attention
 from upipe.attention.upipe import upipe_attention
 
-STRATEGIES = {"ulysses": ulysses_attention, "upipe": upipe_attention}
-"""Functional strategies by name; each is `fn(q, k, v, *, group, causal, softmax_scale)`."""
+STRATEGIES = {"ulysses": ulysses_attention, "upipe": upipe_attention, "ring": ring_attention}
+"""Functional strategies by name; each is `fn(q, k, v, *, group, causal, softmax_scale)`
+(ring also takes `layout=`, default "zigzag")."""
 
-__all__ = ["STRATEGIES", "ContextParallelAttention", "ulysses_attention", "upipe_attention"]
+__all__ = [
+    "STRATEGIES",
+    "ContextParallelAttention",
+    "ring_attention",
+    "ulysses_attention",
+    "upipe_attention",
+]

@@ -49,9 +49,10 @@ def _addmm_(acc32, a, b):
 class _DxAccumulator:
     """dx = sum of g @ w[idx] over the projection gradients g, built as late as pays off.
 
-    Parts wait (each is small: a stage's or a round's heads) until together they are as big
-    as dx; then dx is allocated (fp32) and every later part is folded in at once. While the
-    parts wait, the stage outputs they replace are being freed, so the two share one budget.
+    Parts (each small: a stage's or a round's heads) wait while the stage outputs they
+    replace are being freed, so the two share one budget. At the end of a round -- when the
+    round's kv buffers are gone -- dx is allocated (fp32) once the waiting parts are as big
+    as it, and from then on every part is folded in as soon as it is made.
     """
 
     def __init__(self, N, D, dtype, device):
@@ -62,8 +63,11 @@ class _DxAccumulator:
     def add(self, g_Nn, w_ndD, idx):
         self.waiting.append((g_Nn, w_ndD, idx))
         self.waiting_bytes += g_Nn.numel() * g_Nn.element_size()
-        dx_bytes = self.shape[0] * self.shape[1] * self.dtype.itemsize
-        if self.dx32_ND is not None or self.waiting_bytes >= dx_bytes:
+        if self.dx32_ND is not None:
+            self._fold()
+
+    def end_round(self):
+        if self.waiting_bytes >= self.shape[0] * self.shape[1] * self.dtype.itemsize:
             self._fold()
 
     def _fold(self):
@@ -195,6 +199,7 @@ def _backward(
             dx.add(g_Nn, w_GdD, kv_idx)
             del g_BLnd, g_Nn
         del dk32_BSkd, dv32_BSkd
+        dx.end_round()
     return (
         dx.result().view(B, L, D).to(x.dtype),
         dwq_HdD.view_as(wq),

@@ -26,9 +26,17 @@ from torch.utils._pytree import tree_leaves
 class MemoryTracker(TorchDispatchMode):
     """Counts live tensor storages allocated inside the `with` block; see the module doc."""
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None, *, count=None):
+        """`device`: on CUDA, also read the allocator's peak. `count`: an optional predicate
+        on tensors; `counted_peak_bytes` is then the peak of the storages allocated in the
+        region that some op output accepted by `count` has used (from that moment on), e.g.
+        head-layout buffers: `count=lambda t: t.dim() == 4 and t.shape[1] == S`."""
         super().__init__()
         self.device = torch.device(device) if device is not None else None
+        self.count = count
+        self.counted_bytes = 0
+        self.counted_peak_bytes = 0
+        self._counted: set[int] = set()
         self.current_bytes = 0
         self.peak_bytes = 0
         self.cuda_peak_bytes: int | None = None
@@ -36,7 +44,11 @@ class MemoryTracker(TorchDispatchMode):
         self._cuda_base = 0
 
     def _free(self, key: int) -> None:
-        self.current_bytes -= self._live.pop(key, 0)
+        nbytes = self._live.pop(key, 0)
+        self.current_bytes -= nbytes
+        if key in self._counted:
+            self._counted.discard(key)
+            self.counted_bytes -= nbytes
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -58,12 +70,16 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided
         }
         for t in tree_leaves(out):
-            if (
-                isinstance(t, torch.Tensor)
-                and t.layout == torch.strided
-                and t.untyped_storage()._cdata not in inputs
-            ):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            key = t.untyped_storage()._cdata
+            if key not in inputs:
                 self._track(t)
+            counts = self.count is not None and key in self._live and key not in self._counted
+            if counts and self.count(t):
+                self._counted.add(key)
+                self.counted_bytes += self._live[key]
+                self.counted_peak_bytes = max(self.counted_peak_bytes, self.counted_bytes)
         return out
 
     def __enter__(self):

@@ -1,0 +1,221 @@
+"""Ring attention: the sequence stays sharded and K/V blocks travel around the ring.
+
+Legend: B batch, S full sequence, L = S / C local tokens, H query heads, G kv heads,
+d head dim, C group size; `kv_2BLGd` is k and v stacked (one message per ring step).
+
+Forward on rank r, for steps i = 0 .. C-1 (the block of source rank s = (r - i) mod C):
+    start sending the current kv block to rank r+1 and receiving rank r-1's
+    out_i, lse_i = attention(q_BLHd (rows), kv block (keys))     (overlaps the transfer)
+    lse = logaddexp(lse, lse_i);  out = exp(lse_old - lse) out + exp(lse_i - lse) out_i
+    wait for the next kv block
+The merge is in fp32 (fp64 for fp64 inputs); it computes out = sum_i exp(lse_i - lse) out_i
+with lse = logsumexp_i lse_i, the softmax over all keys.
+
+Causal blocks (positions from the layout, see `upipe.comm`). Every kernel call is either
+fully visible (causal=False) or a same-length diagonal block (causal=True):
+- s == r: the local block, causal=True (in both layouts positions increase along L).
+- contiguous: s < r fully visible; s > r entirely in the future, skipped.
+- zigzag (rank r holds chunks r and 2C-1-r, each L/2 tokens): for s < r, chunks s < r <
+  2C-1-r < 2C-1-s, so all queries see exactly the first half of the keys; for s > r,
+  chunks r < s < 2C-1-s < 2C-1-r, so only the second half of the queries sees the keys,
+  all of them. Each step costs L * L/2, so ranks are balanced.
+
+Backward from the saved q, k, v, out and lse (nothing of the forward is recomputed): the
+kernel's backward on a block, given the *final* out and lse, returns that block's share of
+the gradients, since P_block = exp(scale * Q K_block^T - lse) and delta = rowsum(dO * O)
+are the full softmax's. kv blocks go around the ring again; each block's dK/dV accumulator
+(fp32, `dkv_2BLGd`) travels one step behind it, picking up every rank's contribution, and
+arrives at its owner after the last step. dq accumulates locally in fp32.
+
+Saved for backward: q, k, v (inputs), out, lse. Heads are not split, so any H and G with
+G dividing H work (GQA/MQA without expanding K/V).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from upipe.attention.common import (
+    agree_across_ranks,
+    check_group,
+    check_qkv_local,
+    save_for_backward,
+    saved_for_backward,
+)
+from upipe.comm import LAYOUTS, ring_send_recv
+from upipe.kernels import attention_backward, attention_forward
+
+_KV_TAG, _DKV_TAG = 0, 1  # the two exchanges of the backward run concurrently
+
+
+def _block(layout, causal, rank, src, L):
+    """What step `src` computes: (query slice, key slice, causal) along L, or None (skip)."""
+    full = slice(0, L)
+    if not causal:
+        return full, full, False
+    if src == rank:
+        return full, full, True
+    if layout == "contiguous":
+        return (full, full, False) if src < rank else None
+    if src < rank:
+        return full, slice(0, L // 2), False
+    return slice(L // 2, L), full, False
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
+    """In place: (out, lse) <- the softmax-weighted combination of (out, lse) and the part."""
+    new_BHL = torch.logaddexp(lse_BHL, part_lse_BHL)
+    w_old = torch.exp(lse_BHL - new_BHL).transpose(1, 2).unsqueeze(-1)  # [B, L, H, 1]
+    w_part = torch.exp(part_lse_BHL - new_BHL).transpose(1, 2).unsqueeze(-1)
+    out_BLHd.mul_(w_old).add_(part_BLHd * w_part)
+    lse_BHL.copy_(new_BHL)
+
+
+def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout):
+    C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
+    acc = _acc_dtype(q_BLHd.dtype)
+    kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
+    out_BLHd = lse_BHL = None
+    for i in range(C):
+        pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if i + 1 < C else None
+        block = _block(layout, causal, r, (r - i) % C, L)
+        if block is not None:
+            qs, ks, block_causal = block
+            part_BLHd, part_lse_BHL = attention_forward(
+                q_BLHd[:, qs],
+                kv_2BLGd[0][:, ks],
+                kv_2BLGd[1][:, ks],
+                causal=block_causal,
+                softmax_scale=scale,
+                backend=backend,
+            )
+            if out_BLHd is None:  # step 0: the local block, which covers every query
+                out_BLHd = part_BLHd.to(acc).contiguous()
+                lse_BHL = part_lse_BHL.to(acc).contiguous()
+            else:
+                _merge(out_BLHd[:, qs], lse_BHL[:, :, qs], part_BLHd, part_lse_BHL)
+            del part_BLHd, part_lse_BHL
+        if pending is not None:
+            kv_2BLGd = pending.wait()
+    return out_BLHd.to(q_BLHd.dtype), lse_BHL
+
+
+def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args):
+    group, causal, scale, backend, layout = args
+    C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
+    acc = _acc_dtype(q_BLHd.dtype)
+    kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
+    dq_BLHd = torch.zeros(q_BLHd.shape, dtype=acc, device=q_BLHd.device)
+    dkv_2BLGd = dkv_pending = None
+    for i in range(C):
+        kv_pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if i + 1 < C else None
+        block = _block(layout, causal, r, (r - i) % C, L)
+        if block is not None:
+            qs, ks, block_causal = block
+            dq, dk, dv = attention_backward(
+                dout_BLHd[:, qs],
+                q_BLHd[:, qs],
+                kv_2BLGd[0][:, ks],
+                kv_2BLGd[1][:, ks],
+                out_BLHd[:, qs],
+                lse_BHL[:, :, qs].contiguous(),
+                causal=block_causal,
+                softmax_scale=scale,
+                backend=backend,
+            )
+            dq_BLHd[:, qs] += dq
+            del dq
+        if i == 0:  # the local block (always computed, all keys): start its accumulator
+            dkv_2BLGd = torch.stack((dk, dv)).to(acc)
+        else:  # the accumulator of this step's block, with the previous ranks' shares
+            dkv_2BLGd = dkv_pending.wait()
+            if block is not None:
+                dkv_2BLGd[0][:, ks] += dk
+                dkv_2BLGd[1][:, ks] += dv
+        dk = dv = None
+        if C > 1:  # pass it on; after the last step it reaches its owner
+            dkv_pending = ring_send_recv(dkv_2BLGd, group, tag=_DKV_TAG)
+            dkv_2BLGd = None
+        if kv_pending is not None:
+            kv_2BLGd = kv_pending.wait()
+    del kv_2BLGd
+    if dkv_pending is not None:
+        dkv_2BLGd = dkv_pending.wait()
+    return dq_BLHd.to(q_BLHd.dtype), dkv_2BLGd[0].to(k_BLGd.dtype), dkv_2BLGd[1].to(v_BLGd.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, backend, layout):
+        out, lse = _forward(q, k, v, group, causal, scale, backend, layout)
+        save_for_backward(ctx, keep=(q, k, v, out), free=(lse,))
+        ctx.args = (group, causal, scale, backend, layout)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        keep, free = saved_for_backward(ctx)
+        grads = _backward(dout.contiguous(), *keep, *free, *ctx.args)
+        return (*grads, None, None, None, None, None)
+
+
+def _validate(q, k, v, group, causal, softmax_scale, backend, layout):
+    """`validate_qkv`'s checks without head divisibility (the ring does not split heads),
+    plus the layout; the same error on every rank before any collective."""
+    check_group(group)
+
+    def local():
+        # C=1: no head-count constraint from the group (heads stay whole on every rank)
+        check_qkv_local(
+            q,
+            k,
+            v,
+            C=1,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            backend=backend,
+            replicate_kv=True,
+        )
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+        if layout == "zigzag" and q.shape[1] % 2:
+            C = dist.get_world_size(group)
+            raise ValueError(
+                f"layout='zigzag' needs an even local sequence length (each rank holds two "
+                f"chunks of L/2 tokens), got {q.shape[1]}; pad the full sequence to a multiple "
+                f"of 2 * group size = {2 * C}, or use layout='contiguous'"
+            )
+
+    def signature():
+        return {
+            "q shape": tuple(q.shape),
+            "k shape": tuple(k.shape),
+            "dtype": str(q.dtype),
+            "device type": q.device.type,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "layout": layout,
+        }
+
+    agree_across_ranks(group, local, signature)
+
+
+def ring_attention(
+    q, k, v, *, group, causal=True, softmax_scale=None, backend=None, layout="zigzag"
+):
+    """Attention over a sequence sharded across `group` in `layout`, by ring exchange of K/V.
+
+    q `[B, L, H, d]`, k/v `[B, L, G, d]`: rank r holds its tokens in `layout` -- "zigzag"
+    (chunks r and 2C-1-r of 2C; balanced under a causal mask; L must be even) or
+    "contiguous" (tokens r*L .. (r+1)*L-1); shard with `upipe.comm.shard_sequence(...,
+    layout=layout)`. Returns `[B, L, H, d]`, the rank's rows of full attention over all
+    C*L tokens; differentiable w.r.t. q, k, v. Any H and G with G dividing H (query head h
+    uses kv head h // (H / G)). `backend` selects the local kernel (see `upipe.kernels`).
+    """
+    _validate(q, k, v, group, causal, softmax_scale, backend, layout)
+    return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, layout)
