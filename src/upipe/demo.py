@@ -27,18 +27,19 @@ class DemoConfig:
     """Number of CPU ranks (gloo) to spawn."""
     seq_len: int = 16384
     """Full sequence length S (split into nproc contiguous shards)."""
-    heads: int = 8
+    heads: int = 16
     """Query heads H."""
-    kv_heads: int = 8
+    kv_heads: int = 4
     """Key/value heads G (G < H is grouped-query attention)."""
-    head_dim: int = 64
+    head_dim: int = 32
     """Head dimension d."""
     batch: int = 1
     """Batch size B."""
     causal: bool = True
     """Causal masking."""
-    strategies: tuple[str, ...] = ("ulysses",)
-    """Strategies to run, in order."""
+    strategies: tuple[str, ...] = ("ulysses", "upipe", "ring")
+    """Strategies to run, in order (upipe with one head per rank per stage; ring in the
+    load-balanced zigzag layout)."""
     seed: int = 0
     """Seed for the random inputs."""
 
@@ -57,46 +58,61 @@ def _rel_err(x, ref):
     return ((x.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+def _layout(name):
+    return "zigzag" if name == "ring" else "contiguous"
+
+
 def _rank_main(rank, world_size, cfg: DemoConfig):
     group = dist.group.WORLD
     full = _inputs(cfg)
-    q, k, v, dout = (shard_sequence(t, group=group) for t in full)
-    rows = []
-    reference = None
-    if rank == 0:
-        q64, k64, v64, do64 = (t.double() for t in full)
-        out64, lse64 = attention_forward(q64, k64, v64, causal=cfg.causal)
-        grads64 = attention_backward(do64, q64, k64, v64, out64, lse64, causal=cfg.causal)
-        reference = (out64, *grads64)
+    shards = {
+        name: [shard_sequence(t, group=group, layout=_layout(name)) for t in full]
+        for name in cfg.strategies
+    }
+    for name in cfg.strategies:  # warm-up: connections, allocator, caches
+        warm = [t[:, : min(64, t.shape[1])].clone().requires_grad_() for t in shards[name][:3]]
+        with MemoryTracker():  # its first use costs seconds
+            STRATEGIES[name](*warm, group=group, causal=cfg.causal).sum().backward()
+    runs = []
     for name in cfg.strategies:
-        fn = STRATEGIES[name]
-        warm = [t[:, : min(64, t.shape[1])].clone().requires_grad_() for t in (q, k, v)]
-        fn(*warm, group=group, causal=cfg.causal).sum().backward()  # connections, caches
+        q, k, v, dout = shards[name]
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         dist.barrier()
         t0 = time.perf_counter()
         with MemoryTracker() as mem:
-            out = fn(*leaves, group=group, causal=cfg.causal)
+            out = STRATEGIES[name](*leaves, group=group, causal=cfg.causal)
             out.backward(dout)
         seconds = time.perf_counter() - t0
         results = [
-            unshard_sequence(t, group=group) for t in (out.detach(), *(x.grad for x in leaves))
+            unshard_sequence(t, group=group, layout=_layout(name))
+            for t in (out.detach(), *(x.grad for x in leaves))
         ]
         peaks = [None] * world_size
         dist.all_gather_object(peaks, mem.peak_bytes, group=group)
-        if rank == 0:
-            unit = q.numel() * q.element_size()  # one [B, L, H*d] tensor
-            errs = [_rel_err(r, ref) for r, ref in zip(results, reference, strict=True)]
-            rows.append(
-                {
-                    "strategy": name,
-                    "seconds_fwd_bwd": seconds,
-                    "peak_bytes_per_rank": peaks,
-                    "peak_units_BLD": max(peaks) / unit,
-                    "rel_err": dict(zip(("out", "dq", "dk", "dv"), errs, strict=True)),
-                }
-            )
-    return rows
+        runs.append((name, seconds, peaks, results))
+        del out, leaves
+    if rank != 0:
+        return None
+    q64, k64, v64, do64 = (t.double() for t in full)
+    out64, lse64 = attention_forward(q64, k64, v64, causal=cfg.causal)
+    reference = (out64, *attention_backward(do64, q64, k64, v64, out64, lse64, causal=cfg.causal))
+    unit = full[0].numel() // world_size * full[0].element_size()  # one [B, L, H*d] tensor
+    return [
+        {
+            "strategy": name,
+            "seconds_fwd_bwd": seconds,
+            "peak_bytes_per_rank": peaks,
+            "peak_units_BLD": max(peaks) / unit,
+            "rel_err": dict(
+                zip(
+                    ("out", "dq", "dk", "dv"),
+                    [_rel_err(r, ref) for r, ref in zip(results, reference, strict=True)],
+                    strict=True,
+                )
+            ),
+        }
+        for name, seconds, peaks, results in runs
+    ]
 
 
 def format_table(rows, cfg: DemoConfig) -> str:
