@@ -46,7 +46,8 @@ def _parse_methods(methods, C):
 def _rank(rank, world_size, cfg):
     group = dist.group.WORLD
     C = world_size
-    B, S, D, H, G, d = (cfg[k] for k in ("batch", "seq_len", "dim", "heads", "kv_heads", "head_dim"))
+    keys = ("batch", "seq_len", "dim", "heads", "kv_heads", "head_dim")
+    B, S, D, H, G, d = (cfg[k] for k in keys)
     L = S // C
     gen = torch.Generator().manual_seed(cfg["seed"])
     methods = _parse_methods(cfg["methods"], C)
@@ -125,14 +126,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="CPU ranks (gloo)")
     p.add_argument("--mode", choices=("module", "functional"), default="module")
-    p.add_argument("--methods", nargs="+", default=["ulysses", "upipe", "upipe:8", "upipe:16"],
-                   help="first one is the baseline; upipe:U sets heads_per_stage")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ulysses", "upipe", "upipe:8", "upipe:16"],
+        help="first one is the baseline; upipe:U sets heads_per_stage",
+    )
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, nargs="+", default=[4, 16],
-                   help="one benchmark per value")
+    p.add_argument(
+        "--kv-heads", type=int, nargs="+", default=[4, 16], help="one benchmark per value"
+    )
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -156,18 +162,25 @@ def main(argv=None):
     with LocalCluster(a.nproc, timeout_s=3600) as cluster:
         for G in a.kv_heads:
             cfg = dict(vars(a), kv_heads=G)
-            print(f"running {a.mode}: S={a.seq_len} C={a.nproc} D={a.dim} H={a.heads} G={G} "
-                  f"d={a.head_dim}, methods {a.methods} ...", flush=True)
+            print(
+                f"running {a.mode}: S={a.seq_len} C={a.nproc} D={a.dim} H={a.heads} G={G} "
+                f"d={a.head_dim}, methods {a.methods} ...",
+                flush=True,
+            )
             rows = cluster.run(_rank, cfg)[0]
             doc["runs"].append({"config": cfg, "results": rows})
             base = rows[0]["method"]
-            print(f"\n{'method':<16}{'peak [B,L,D]':>13}{'peak MiB':>10}{'mem vs ' + base:>16}"
-                  f"{'median s':>10}{'time vs ' + base:>17}")
+            print(
+                f"\n{'method':<16}{'peak [B,L,D]':>13}{'peak MiB':>10}{'mem vs ' + base:>16}"
+                f"{'median s':>10}{'time vs ' + base:>17}"
+            )
             for r in rows:
-                print(f"{r['method']:<16}{r['peak_units_BLD']:>13.2f}"
-                      f"{max(r['peak_bytes_per_rank']) / 2**20:>10.1f}"
-                      f"{r['memory_vs_' + base]:>16.3f}{r['median_seconds']:>10.2f}"
-                      f"{r['time_vs_' + base]:>17.3f}")
+                print(
+                    f"{r['method']:<16}{r['peak_units_BLD']:>13.2f}"
+                    f"{max(r['peak_bytes_per_rank']) / 2**20:>10.1f}"
+                    f"{r['memory_vs_' + base]:>16.3f}{r['median_seconds']:>10.2f}"
+                    f"{r['time_vs_' + base]:>17.3f}"
+                )
             print()
     text = json.dumps(doc, indent=2)
     print(text)

@@ -5,19 +5,23 @@ from upipe.attention import (
     ring_attention,
     ulysses_attention,
     upipe_attention,
+    usp_attention,
 )
 from upipe.comm import sequence_positions, shard_sequence, unshard_sequence
 from upipe.memory import MemoryTracker
+from upipe.mesh import make_mesh
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ContextParallelAttention",
     "MemoryTracker",
+    "make_mesh",
     "ring_attention",
     "sequence_positions",
     "shard_sequence",
     "ulysses_attention",
     "unshard_sequence",
     "upipe_attention",
+    "usp_attention",
 ]

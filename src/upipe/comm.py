@@ -23,6 +23,15 @@ tokens on C ranks:
                   and 2C-1-r, concatenated. Under a causal mask every rank then does the
                   same amount of work in ring attention (an early and a late chunk each).
 
+On a 2-D mesh (`mesh=`, see `upipe.mesh`; R ring ranks, C ulysses ranks, L = S / (R*C),
+P = C*L) the sequence is first split over the ring dim in `layout` (default "zigzag": ring
+rank i gets chunks i and 2R-1-i of 2R, P tokens), then that part is split contiguously over
+the ulysses dim (ulysses rank j: its tokens j*L .. (j+1)*L-1). `seq_to_head` inside a
+ulysses group then gathers exactly the ring rank's part, in order -- the layout that ring
+attention over the ring group expects:
+
+    x_BLHd [B, L, H, d] --seq_to_head(ulysses)--> x_BPhd [B, P, H/C, d]  (ring rank's part)
+
 Ring exchange (ring attention): `ring_send_recv(t, group)` sends t to rank r+1 and receives
 rank r-1's tensor of the same shape, asynchronously; C successive shifts bring every rank's
 block past every rank. Not differentiable: ring attention sends its own gradients.
@@ -30,8 +39,12 @@ block past every rank. Not differentiable: ring attention sends its own gradient
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
+
+from upipe.mesh import check_mesh, mesh_coordinates
 
 
 def _size(group) -> int:
@@ -131,40 +144,62 @@ def _chunks(n: int, C: int, layout: str, dim: int | None) -> int:
     return 2 * C
 
 
-def shard_sequence(
-    t: torch.Tensor, *, group, dim: int = 1, layout: str = "contiguous"
-) -> torch.Tensor:
-    """This rank's part of `t` along `dim` in `layout` (see the module docstring).
+def _check_mesh_length(n: int, R: int, U: int, layout: str, dim: int | None) -> None:
+    """ValueError unless a length-n sequence splits over R ring x U ulysses ranks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    m = R * (U if layout == "contiguous" else math.lcm(2, U))  # ring chunks, then U parts
+    if n % m:
+        where = "" if dim is None else f" (dim {dim})"
+        how = "2R chunks" if layout == "zigzag" else "R parts"
+        raise ValueError(
+            f"sequence length {n}{where} does not split over ring {R} x ulysses {U} in "
+            f"layout={layout!r} (the ring dim cuts it into {how}, each ring part is split "
+            f"over {U} ulysses ranks); pad it to a multiple of {m} (e.g. {n + (-n) % m})"
+        )
 
-    "contiguous": block r of C equal blocks; "zigzag": chunks r and 2C-1-r of 2C equal
-    chunks, concatenated. `t` is the full tensor, identical on every rank. Returns a
-    contiguous copy.
-    """
-    C, r = _size(group), dist.get_rank(group)
-    n = t.shape[dim]
-    c = n // _chunks(n, C, layout, dim)
+
+def _layout_and_groups(group, mesh, layout):
+    """Resolve the group/mesh arguments: (layout, [(size, rank, group, layout)] outer first)."""
+    if (group is None) == (mesh is None):
+        raise ValueError("pass exactly one of group= (1-D) or mesh= (2-D: ring x ulysses)")
+    if group is not None:
+        layout = layout or "contiguous"
+        return layout, [(_size(group), dist.get_rank(group), group, layout)]
+    R, U = check_mesh(mesh)
+    i, j = mesh_coordinates(mesh)
+    layout = layout or "zigzag"
+    ring, ulysses = mesh["ring"].get_group(), mesh["ulysses"].get_group()
+    return layout, [(R, i, ring, layout), (U, j, ulysses, "contiguous")]
+
+
+def _shard(t, C, r, dim, layout):
+    c = t.shape[dim] // _chunks(t.shape[dim], C, layout, dim)
     if layout == "contiguous":
-        return t.narrow(dim, r * c, c).contiguous()
+        return t.narrow(dim, r * c, c)
     return torch.cat((t.narrow(dim, r * c, c), t.narrow(dim, (2 * C - 1 - r) * c, c)), dim)
 
 
-def unshard_sequence(
-    t: torch.Tensor, *, group, dim: int = 1, layout: str = "contiguous"
+def shard_sequence(
+    t: torch.Tensor, *, group=None, mesh=None, dim: int = 1, layout: str | None = None
 ) -> torch.Tensor:
-    """Gather every rank's part back into the full tensor along `dim`, in token order.
+    """This rank's part of `t` along `dim` in `layout` (see the module docstring).
 
-    The inverse of `shard_sequence` with the same `layout`; not differentiable (use it for
-    outputs and checks).
+    group= (1-D; default layout "contiguous"): block r of C equal blocks, or with "zigzag"
+    chunks r and 2C-1-r of 2C equal chunks, concatenated. mesh= (2-D; default "zigzag"):
+    the ring rank's part in `layout`, then this ulysses rank's contiguous block of it.
+    Exactly one of group/mesh. `t` is the full tensor, identical on every rank. Returns a
+    contiguous copy.
     """
-    C = _size(group)
-    L = t.shape[dim]
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
-    if layout == "zigzag" and L % 2:
-        raise ValueError(
-            f"layout='zigzag' needs an even local length (two chunks per rank), got {L} "
-            f"(dim {dim}); shard with shard_sequence(..., layout='zigzag')"
-        )
+    layout, levels = _layout_and_groups(group, mesh, layout)
+    if mesh is not None:
+        _check_mesh_length(t.shape[dim], levels[0][0], levels[1][0], layout, dim)
+    for C, r, _, level_layout in levels:
+        t = _shard(t, C, r, dim, level_layout)
+    return t.contiguous()
+
+
+def _unshard(t, C, group, dim, layout):
     if C == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(C)]
@@ -176,26 +211,73 @@ def unshard_sequence(
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
 
 
-def sequence_positions(
-    seq_len: int, *, rank: int, world_size: int, layout: str = "contiguous", device=None
+def unshard_sequence(
+    t: torch.Tensor, *, group=None, mesh=None, dim: int = 1, layout: str | None = None
 ) -> torch.Tensor:
-    """Global positions (LongTensor `[L]`) of the tokens rank `rank` holds in `layout`.
+    """Gather every rank's part back into the full tensor along `dim`, in token order.
 
-    `shard_sequence(x, group=..., layout=layout)` equals `x.index_select(1, positions)`:
-    use it to shard position ids and labels consistently with the activations.
+    The inverse of `shard_sequence` with the same group or mesh and `layout` (on a mesh: an
+    all-gather over the ulysses dim, then over the ring dim); not differentiable (use it for
+    outputs and checks).
     """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside the group of size {world_size}")
-    c = seq_len // _chunks(seq_len, world_size, layout, dim=None)
+    layout, levels = _layout_and_groups(group, mesh, layout)
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    n = t.shape[dim] * (levels[1][0] if mesh is not None else 1)  # a ring rank's length
+    if layout == "zigzag" and n % 2:
+        what = f"{t.shape[dim]}" if mesh is None else f"{t.shape[dim]} x ulysses {levels[1][0]}"
+        raise ValueError(
+            f"layout='zigzag' needs an even local length (two chunks per rank), got {what} "
+            f"(dim {dim}); shard with shard_sequence(..., layout='zigzag')"
+        )
+    for C, _, g, level_layout in reversed(levels):
+        t = _unshard(t, C, g, dim, level_layout)
+    return t
+
+
+def _positions(n: int, C: int, r: int, layout: str, device) -> torch.Tensor:
+    c = n // _chunks(n, C, layout, dim=None)
     if layout == "contiguous":
-        return torch.arange(rank * c, (rank + 1) * c, device=device)
-    last = 2 * world_size - 1 - rank
+        return torch.arange(r * c, (r + 1) * c, device=device)
+    last = 2 * C - 1 - r
     return torch.cat(
         (
-            torch.arange(rank * c, (rank + 1) * c, device=device),
+            torch.arange(r * c, (r + 1) * c, device=device),
             torch.arange(last * c, (last + 1) * c, device=device),
         )
     )
+
+
+def sequence_positions(
+    seq_len: int,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    mesh=None,
+    layout: str | None = None,
+    device=None,
+) -> torch.Tensor:
+    """Global positions (LongTensor `[L]`) of the tokens a rank holds in `layout`.
+
+    Either rank= and world_size= (1-D; default layout "contiguous"), or mesh= (2-D, this
+    rank's place in the mesh; default "zigzag"). `shard_sequence(x, group=..., layout=...)`
+    (or `mesh=...`) equals `x.index_select(1, positions)`: use it to shard position ids and
+    labels consistently with the activations.
+    """
+    if mesh is not None:
+        if rank is not None or world_size is not None:
+            raise ValueError("pass either rank= and world_size= (1-D) or mesh= (2-D), not both")
+        R, U = check_mesh(mesh)
+        i, j = mesh_coordinates(mesh)
+        layout = layout or "zigzag"
+        _check_mesh_length(seq_len, R, U, layout, dim=None)
+        part = _positions(seq_len, R, i, layout, device)
+        return part.narrow(0, j * (part.numel() // U), part.numel() // U)
+    if rank is None or world_size is None:
+        raise ValueError("pass rank= and world_size= (1-D) or mesh= (2-D)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the group of size {world_size}")
+    return _positions(seq_len, world_size, rank, layout or "contiguous", device)
 
 
 class RingRecv:

@@ -8,10 +8,14 @@ whose input is wrong, or a mismatch between ranks (e.g. different local sequence
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
+from upipe.comm import LAYOUTS
 from upipe.kernels import BACKENDS
+from upipe.mesh import check_mesh, validation_group
 
 
 def _divisors(n: int) -> list[int]:
@@ -28,8 +32,14 @@ def check_group(group) -> int:
     return dist.get_world_size(group)
 
 
-def check_qkv_local(q, k, v, *, C: int, causal, softmax_scale, backend, replicate_kv: bool):
-    """Checks one rank can make without talking to the others. Raises TypeError/ValueError."""
+def check_qkv_local(
+    q, k, v, *, C: int, causal, softmax_scale, backend, replicate_kv: bool, size_name=None
+):
+    """Checks one rank can make without talking to the others. Raises TypeError/ValueError.
+
+    Heads are split over C ranks, called `size_name` in messages (default: the
+    context-parallel size; on a mesh, the ulysses size)."""
+    cp = size_name or "context-parallel size"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -62,19 +72,18 @@ def check_qkv_local(q, k, v, *, C: int, causal, softmax_scale, backend, replicat
         )
     if H % C:
         raise ValueError(
-            f"query heads ({H}) must be divisible by the context-parallel size ({C}); "
-            f"use a size in {_divisors(H)}"
+            f"query heads ({H}) must be divisible by the {cp} ({C}); use a size in {_divisors(H)}"
         )
     if replicate_kv:
         if G % C and C % G:
             raise ValueError(
-                f"kv heads ({G}) and the context-parallel size ({C}) must divide one another "
+                f"kv heads ({G}) and the {cp} ({C}) must divide one another "
                 f"(kv heads are split across ranks, or replicated when fewer); use a size in "
                 f"{sorted(set(_divisors(G)) | {m for m in _divisors(H) if m % G == 0})}"
             )
     elif G % C:
         raise ValueError(
-            f"kv heads ({G}) must be divisible by the context-parallel size ({C}); use a size "
+            f"kv heads ({G}) must be divisible by the {cp} ({C}); use a size "
             f"in {_divisors(G)}, or upipe_attention, which replicates kv heads when G < C"
         )
     if softmax_scale is not None and not softmax_scale > 0:
@@ -85,11 +94,14 @@ def check_qkv_local(q, k, v, *, C: int, causal, softmax_scale, backend, replicat
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
 
-def agree_across_ranks(group, local_check, signature_fn) -> None:
+def agree_across_ranks(group, local_check, signature_fn, cohort=None) -> None:
     """Run `local_check()` here, then make every rank of `group` raise the same error.
 
     `signature_fn()` describes what all ranks must agree on (shapes, dtype, options); it is
-    only called when the local check passed. One all_gather_object, no other collective.
+    only called when the local check passed. `cohort` (any hashable; default: one for all)
+    limits that agreement to the ranks passing the same cohort -- on a mesh, the ranks of
+    one ring x ulysses block -- while errors still reach every rank of `group`. One
+    all_gather_object, no other collective.
     """
     error, signature = None, None
     try:
@@ -104,25 +116,58 @@ def agree_across_ranks(group, local_check, signature_fn) -> None:
         return
     reports = [None] * C
     payload = (type(error).__name__, str(error)) if error is not None else None
-    dist.all_gather_object(reports, (payload, signature), group=group)
-    for rank, (err, _) in enumerate(reports):
+    dist.all_gather_object(reports, (payload, signature, cohort), group=group)
+    for rank, (err, _, _) in enumerate(reports):
         if err is not None:
             if error is not None:
                 raise error
             cls = TypeError if err[0] == "TypeError" else ValueError
             raise cls(f"rank {rank} of the group rejected its input: {err[1]}")
-    for rank, (_, sig) in enumerate(reports):
-        if sig != reports[0][1]:
+    first = {}  # cohort -> the first rank reporting it
+    for rank, (_, sig, coh) in enumerate(reports):
+        r0 = first.setdefault(coh, rank)
+        ref = reports[r0][1]
+        if sig != ref:
             diff = ", ".join(
-                f"{key}: rank 0 has {reports[0][1][key]}, rank {rank} has {sig[key]}"
+                f"{key}: rank {r0} has {ref[key]}, rank {rank} has {sig[key]}"
                 for key in sig
-                if sig[key] != reports[0][1][key]
+                if sig[key] != ref[key]
             )
             raise ValueError(
                 f"ranks disagree on their inputs ({diff}); every rank must pass the same "
                 "options and an equal-length shard of the sequence (pad the sequence to a "
                 "multiple of the group size)"
             )
+
+
+def check_ring_layout(layout, P: int, R: int, C: int) -> None:
+    """The ring dim's layout on a mesh of R ring x C ulysses ranks: a known one, and zigzag
+    needs an even number P = C * L of tokens per ring rank (its two chunks)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    if layout == "zigzag" and R > 1 and P % 2:
+        raise ValueError(
+            f"layout='zigzag' needs an even number of tokens per ring rank (ulysses size "
+            f"{C} x local length {P // C} = {P}; two chunks each); pad the full sequence to "
+            f"a multiple of {R * math.lcm(2, C)}, or use layout='contiguous'"
+        )
+
+
+def resolve_groups(group, mesh):
+    """The process groups a strategy uses, from exactly one of `group` (1-D) or `mesh` (2-D).
+
+    Returns (ulysses group, ring group or None when the ring size is 1, ring size, `agree`
+    for `validate_qkv`: None on a group, on a mesh (group over all of its ranks, cohort of
+    ranks whose inputs must agree)).
+    """
+    if (group is None) == (mesh is None):
+        raise ValueError("pass exactly one of group= (1-D) or mesh= (2-D: ring x ulysses)")
+    if group is not None:
+        check_group(group)
+        return group, None, 1, None
+    R, _ = check_mesh(mesh)
+    ring = mesh["ring"].get_group() if R > 1 else None
+    return mesh["ulysses"].get_group(), ring, R, validation_group(mesh)
 
 
 def validate_qkv(
@@ -137,12 +182,16 @@ def validate_qkv(
     replicate_kv,
     extra=None,
     extra_signature=None,
+    agree=None,
 ):
-    """Full validation of a strategy's (q, k, v) on every rank of `group`.
+    """Full validation of a strategy's (q, k, v) on every rank.
 
-    `extra_signature` adds options all ranks must agree on. `extra` is an optional
-    callable(C) with strategy-specific local checks, called once the common checks passed
-    (so q, k, v are valid 4-D tensors by then).
+    Heads are split over `group` (its size C). The verdict is exchanged over `group`, or
+    over `agree` = (group, cohort) from `resolve_groups` on a mesh (messages then call C
+    the ulysses size). `extra_signature` adds
+    options all ranks must agree on. `extra` is an optional callable(C) with
+    strategy-specific local checks, called once the common checks passed (so q, k, v are
+    valid 4-D tensors by then).
     """
     C = check_group(group)
 
@@ -156,6 +205,7 @@ def validate_qkv(
             softmax_scale=softmax_scale,
             backend=backend,
             replicate_kv=replicate_kv,
+            size_name=None if agree is None else "ulysses size",
         )
         if extra is not None:
             extra(C)
@@ -171,7 +221,8 @@ def validate_qkv(
             **(extra_signature or {}),
         }
 
-    agree_across_ranks(group, local, signature)
+    agree_group, cohort = agree or (group, None)
+    agree_across_ranks(agree_group, local, signature, cohort)
 
 
 def _saved_tensor_hooks_active() -> bool:

@@ -11,6 +11,8 @@ Per round (kv heads `kv_idx`) and stage (query heads `q_idx`), on each rank:
     y += out_BLUd W_o[:, q_idx]^T                       (fp32 accumulator)
 so full-head q/k/v never exist and o_proj needs no full-width input. Saved: x, the weights,
 cos/sin, each stage's out_BLUd (needed for dW_o and the kernel's backward) and lse.
+On a 2-D mesh `group` is the ulysses group, S becomes the ring rank's P = C * L tokens and
+`attention` is ring attention over the ring group (stage.py).
 
 Backward per round and stage recomputes q/k/v from x, and never builds the full dout:
     dout_BLUd = dy W_o[:, q_idx],       dW_o[:, q_idx] = dy^T out_BLUd
@@ -26,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from upipe.attention.common import save_for_backward, saved_for_backward
+from upipe.attention.stage import StageAttention
 from upipe.attention.upipe import acc_dtype, accumulate
 from upipe.comm import head_to_seq, seq_to_head
-from upipe.kernels import attention_backward, attention_forward
 from upipe.rope import apply_rope, apply_rope_backward
 
 
@@ -99,7 +101,7 @@ def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, group):
     return k_BSkd, v_BSkd
 
 
-def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend):
+def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, attn):
     """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse."""
     B, L, D = x.shape
     x_ND = x.reshape(B * L, D)
@@ -115,9 +117,7 @@ def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend):
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
             q_BSud = seq_to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope), group)
-            out_BSud, lse_BuS = attention_forward(
-                q_BSud, k_BSkd, v_BSkd, causal=causal, softmax_scale=scale, backend=backend
-            )
+            out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             out_BLUd = head_to_seq(out_BSud, group)
             del out_BSud
@@ -128,9 +128,7 @@ def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend):
     return y32_ND.view(B, L, D).to(x.dtype), out_slices, lse_list
 
 
-def _backward(
-    dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, group, causal, scale, backend
-):
+def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, group, attn):
     """Gradients (dx, dwq, dwk, dwv, dwo). Empties `out_slices` and `lse_list` as it goes.
 
     Memory: each stage's saved output is freed once its stage is done, and the projection
@@ -164,16 +162,8 @@ def _backward(
             del out_BLUd
             dout_BSud = seq_to_head(dout_BLUd, group)
             del dout_BLUd
-            dq_BSud, dk_BSkd, dv_BSkd = attention_backward(
-                dout_BSud,
-                q_BSud,
-                k_BSkd,
-                v_BSkd,
-                out_BSud,
-                lse_list.pop(0),
-                causal=causal,
-                softmax_scale=scale,
-                backend=backend,
+            dq_BSud, dk_BSkd, dv_BSkd = attn.backward(
+                dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_list.pop(0)
             )
             del dout_BSud, q_BSud, out_BSud
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
@@ -211,22 +201,18 @@ def _backward(
 
 class _FusedUPipe(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x, wq, wk, wv, wo, cos, sin, interleaved, rounds, d, group, causal, scale, backend
-    ):
+    def forward(ctx, x, wq, wk, wv, wo, cos, sin, interleaved, rounds, d, group, attn):
         rope = (cos, sin, interleaved)
-        y, out_slices, lse_list = _forward(
-            x, wq, wk, wv, wo, rope, rounds, d, group, causal, scale, backend
-        )
+        y, out_slices, lse_list = _forward(x, wq, wk, wv, wo, rope, rounds, d, group, attn)
         # backward frees the stage outputs and lse stage by stage
         save_for_backward(ctx, keep=(x, wq, wk, wv, wo, cos, sin), free=out_slices + lse_list)
-        ctx.args = (interleaved, rounds, d, group, causal, scale, backend)
+        ctx.args = (interleaved, rounds, d, group, attn)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (x, wq, wk, wv, wo, cos, sin), stashed = saved_for_backward(ctx)
-        interleaved, rounds, d, group, causal, scale, backend = ctx.args
+        interleaved, rounds, d, group, attn = ctx.args
         n = len(stashed) // 2
         out_slices, lse_list = stashed[:n], stashed[n:]
         del stashed
@@ -243,11 +229,9 @@ class _FusedUPipe(torch.autograd.Function):
             rounds,
             d,
             group,
-            causal,
-            scale,
-            backend,
+            attn,
         )
-        return (*grads, *([None] * 9))
+        return (*grads, *([None] * 7))
 
 
 def fused_upipe_attention(
@@ -266,27 +250,19 @@ def fused_upipe_attention(
     softmax_scale=None,
     backend=None,
     rope_interleaved=False,
+    ring_group=None,
+    layout="zigzag",
 ):
     """y = o_proj(UPipe(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with everything staged.
 
-    x `[B, L, D]` (this rank's contiguous shard), weights in `torch.nn.Linear` layout
-    (wq `[H*d, D]`, wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's
-    global positions, `rounds` from `upipe.attention.schedule.plan_rounds`. Inputs are not
-    validated here: `ContextParallelAttention` does that.
+    x `[B, L, D]` (this rank's shard), weights in `torch.nn.Linear` layout (wq `[H*d, D]`,
+    wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's global positions,
+    `rounds` from `upipe.attention.schedule.plan_rounds`. The all-to-alls run over `group`;
+    with `ring_group` (a 2-D mesh, x in the mesh layout of `upipe.comm` with the ring dim in
+    `layout`) each stage's attention is ring attention over it. Inputs are not validated
+    here: `ContextParallelAttention` does that.
     """
+    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout)
     return _FusedUPipe.apply(
-        x,
-        wq,
-        wk,
-        wv,
-        wo,
-        cos,
-        sin,
-        rope_interleaved,
-        rounds,
-        head_dim,
-        group,
-        causal,
-        softmax_scale,
-        backend,
+        x, wq, wk, wv, wo, cos, sin, rope_interleaved, rounds, head_dim, group, attn
     )

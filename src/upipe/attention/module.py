@@ -5,10 +5,14 @@ Legend: B batch, L local tokens, D model width, H query heads, G kv heads, d hea
 Parameters are `torch.nn.Linear` layers named and shaped as in Hugging Face Llama/Qwen
 (`q_proj` [H*d, D], `k_proj`/`v_proj` [G*d, D], `o_proj` [D, H*d], no bias), so their
 weights load unchanged. Strategies:
-- "ulysses": q/k/v projections and RoPE in autograd, `ulysses_attention`, then `o_proj`;
+- "ulysses": q/k/v projections and RoPE in autograd, `ulysses_attention` (on a mesh
+  `usp_attention`), then `o_proj`;
 - "upipe": the fused staged op (fused.py): projections, RoPE and o_proj run per stage
   inside the op and are recomputed in backward, so full-head q/k/v and the full attention
-  output gradient never exist.
+  output gradient never exist. On a mesh each stage's attention is ring attention over the
+  ring dim.
+On a 2-D mesh (`mesh=`, dims "ring" x "ulysses") x is this rank's part in the mesh layout of
+`upipe.comm`; the heads are split over the ulysses dim.
 """
 
 from __future__ import annotations
@@ -16,21 +20,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from upipe.attention.common import _divisors, agree_across_ranks, check_group
+from upipe.attention.common import (
+    _divisors,
+    agree_across_ranks,
+    check_group,
+    check_ring_layout,
+    resolve_groups,
+)
 from upipe.attention.fused import fused_upipe_attention
 from upipe.attention.schedule import check_heads_per_stage, plan_rounds
 from upipe.attention.ulysses import ulysses_attention
+from upipe.attention.usp import usp_attention
+from upipe.comm import LAYOUTS
 from upipe.rope import apply_rope, rope_cos_sin
 
 MODULE_STRATEGIES = ("upipe", "ulysses")
 
 
 class ContextParallelAttention(nn.Module):
-    """Causal self-attention with RoPE on this rank's contiguous shard of the sequence.
+    """Causal self-attention with RoPE on this rank's shard of the sequence.
 
-    `forward(x, position_ids)`: x `[B, L, D]` holds tokens r*L .. (r+1)*L-1 of the full
-    sequence on rank r of `group`, position_ids `[B, L]` their global positions; returns
-    `[B, L, D]`. All ranks call it together (it communicates).
+    `forward(x, position_ids)`: x `[B, L, D]` holds this rank's tokens, position_ids
+    `[B, L]` their global positions; returns `[B, L, D]`. With `group` (C ranks) rank r holds
+    tokens r*L .. (r+1)*L-1; with `mesh` (`upipe.make_mesh`) the tokens of
+    `shard_sequence(x, mesh=mesh, layout=layout)` (layout of the ring dim, default "zigzag";
+    `sequence_positions(S, mesh=mesh)` gives their positions), and C is the ulysses size.
+    Exactly one of group/mesh. All ranks call it together (it communicates).
     """
 
     def __init__(
@@ -40,7 +55,9 @@ class ContextParallelAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int | None = None,
         *,
-        group,
+        group=None,
+        mesh=None,
+        layout: str | None = None,
         strategy: str = "upipe",
         heads_per_stage: int | None = None,
         rope_theta: float = 10000.0,
@@ -51,7 +68,16 @@ class ContextParallelAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        C = check_group(group)
+        ulysses, self.ring_group, R, self.agree = resolve_groups(group, mesh)
+        C = check_group(ulysses)
+        if mesh is None and layout is not None:
+            raise ValueError(
+                f"layout={layout!r} applies to the ring dim of a mesh; with group= the "
+                "sequence is sharded contiguously (leave layout unset)"
+            )
+        if layout not in (None, *LAYOUTS):
+            raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+        cp = "context-parallel size" if mesh is None else "ulysses size"
         if strategy not in MODULE_STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {MODULE_STRATEGIES}")
         for name, val in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -72,26 +98,26 @@ class ContextParallelAttention(nn.Module):
             )
         if num_heads % C:
             raise ValueError(
-                f"num_heads ({num_heads}) must be divisible by the context-parallel size ({C}); "
+                f"num_heads ({num_heads}) must be divisible by the {cp} ({C}); "
                 f"use a size in {_divisors(num_heads)}"
             )
         if strategy == "ulysses" and num_kv_heads % C:
             raise ValueError(
                 f"strategy 'ulysses' needs num_kv_heads ({num_kv_heads}) divisible by the "
-                f"context-parallel size ({C}); use strategy='upipe' (replicates kv heads) or a "
+                f"{cp} ({C}); use strategy='upipe' (replicates kv heads) or a "
                 f"size in {_divisors(num_kv_heads)}"
             )
         if strategy == "upipe":
             if num_kv_heads % C and C % num_kv_heads:
                 raise ValueError(
-                    f"num_kv_heads ({num_kv_heads}) and the context-parallel size ({C}) must "
-                    "divide one another"
+                    f"num_kv_heads ({num_kv_heads}) and the {cp} ({C}) must divide one another"
                 )
             heads_per_stage = check_heads_per_stage(num_heads, num_kv_heads, C, heads_per_stage)
             self.rounds = plan_rounds(num_heads, num_kv_heads, C, heads_per_stage)
         elif heads_per_stage is not None:
             raise ValueError("heads_per_stage applies to strategy='upipe' only")
-        self.group, self.strategy, self.heads_per_stage = group, strategy, heads_per_stage
+        self.group, self.mesh, self.layout = ulysses, mesh, layout or "zigzag"
+        self.strategy, self.heads_per_stage = strategy, heads_per_stage
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = (
             dim,
             num_heads,
@@ -111,6 +137,7 @@ class ContextParallelAttention(nn.Module):
             f"strategy={self.strategy!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, heads_per_stage={self.heads_per_stage}, "
             f"group_size={torch.distributed.get_world_size(self.group)}"
+            + ("" if self.mesh is None else f", ring={self.mesh['ring'].size()}")
         )
 
     def _validate(self, x, position_ids):
@@ -133,10 +160,15 @@ class ContextParallelAttention(nn.Module):
                 raise ValueError(
                     f"x has dtype {x.dtype} but the weights have {self.q_proj.weight.dtype}"
                 )
+            if self.mesh is not None:
+                C = torch.distributed.get_world_size(self.group)
+                check_ring_layout(self.layout, C * x.shape[1], self.mesh["ring"].size(), C)
 
-        agree_across_ranks(
-            self.group, local, lambda: {"x shape": tuple(x.shape), "dtype": str(x.dtype)}
-        )
+        def signature():
+            return {"x shape": tuple(x.shape), "dtype": str(x.dtype)}
+
+        group, cohort = self.agree or (self.group, None)
+        agree_across_ranks(group, local, signature, cohort)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         self._validate(x, position_ids)
@@ -159,11 +191,17 @@ class ContextParallelAttention(nn.Module):
                 causal=self.causal,
                 backend=self.backend,
                 rope_interleaved=self.rope_interleaved,
+                ring_group=self.ring_group,
+                layout=self.layout,
             )
         B, L, _ = x.shape
         rot = dict(interleaved=self.rope_interleaved)
         q = apply_rope(self.q_proj(x).view(B, L, -1, d), cos, sin, **rot)
         k = apply_rope(self.k_proj(x).view(B, L, -1, d), cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
-        out = ulysses_attention(q, k, v, group=self.group, causal=self.causal, backend=self.backend)
+        kw = dict(causal=self.causal, backend=self.backend)
+        if self.mesh is None:
+            out = ulysses_attention(q, k, v, group=self.group, **kw)
+        else:
+            out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
         return self.o_proj(out.flatten(2))

@@ -16,16 +16,23 @@ fp32 and sends them back once per round.
 Live at a time: one round's kv buffers and one stage's buffers -- the head-proportional
 intermediates shrink by U / H against Ulysses. Saved for backward: only lse (q, k, v and
 out exist anyway). The fused module (fused.py) also folds the projections in.
+
+On a 2-D mesh (`mesh=`: R ring x C ulysses ranks, sequence in the mesh layout of
+`upipe.comm`) the all-to-alls run over the ulysses group and gather the ring rank's part of
+P = C * L tokens, so each stage's attention is ring attention over the ring group:
+    out_BPud, lse = ring_attention(q_BPud, k_BPkd, v_BPkd)     (stage.py, R > 1)
+and its backward is the ring backward from the saved out and lse. With R = 1 (or `group=`)
+the stage calls the local kernel, exactly as above.
 """
 
 from __future__ import annotations
 
 import torch
 
-from upipe.attention.common import validate_qkv
+from upipe.attention.common import check_ring_layout, resolve_groups, validate_qkv
 from upipe.attention.schedule import check_heads_per_stage, plan_rounds
+from upipe.attention.stage import StageAttention
 from upipe.comm import head_to_seq, seq_to_head
-from upipe.kernels import attention_backward, attention_forward
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,7 +58,7 @@ def _index(heads, device):
     return torch.tensor(heads, dtype=torch.long, device=device)
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, group, causal, scale, backend):
+def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, group, attn):
     out_BLHd = torch.empty_like(q_BLHd)
     lse_list = []
     for rnd in rounds:
@@ -61,9 +68,7 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, group, causal, scale, backend):
         for stage in rnd.stages:
             q_idx = _index(stage, q_BLHd.device)
             q_BSud = seq_to_head(_heads(q_BLHd, q_idx), group)
-            out_BSud, lse_BuS = attention_forward(
-                q_BSud, k_BSkd, v_BSkd, causal=causal, softmax_scale=scale, backend=backend
-            )
+            out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             out_BLHd.index_copy_(2, q_idx, head_to_seq(out_BSud, group))
             lse_list.append(lse_BuS)
@@ -71,13 +76,16 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, group, causal, scale, backend):
     return out_BLHd, lse_list
 
 
-def _backward(
-    dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, group, causal, scale, backend
-):
+def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, group, attn):
     dq_BLHd = torch.empty_like(q_BLHd)
-    # kv gradients: replicas (G < C) are summed here, in fp32
-    dk32_BLGd = torch.zeros(k_BLGd.shape, dtype=acc_dtype(k_BLGd.dtype), device=k_BLGd.device)
-    dv32_BLGd = torch.zeros_like(dk32_BLGd)
+    # kv gradients: each kv head comes back once, unless it is replicated (G < C): then its
+    # replicas are summed, in fp32
+    replicated = sum(len(r.kv_heads) for r in rounds) > k_BLGd.shape[2]
+    if replicated:
+        dk_BLGd = torch.zeros(k_BLGd.shape, dtype=acc_dtype(k_BLGd.dtype), device=k_BLGd.device)
+        dv_BLGd = torch.zeros_like(dk_BLGd)
+    else:
+        dk_BLGd, dv_BLGd = torch.empty_like(k_BLGd), torch.empty_like(v_BLGd)
     lse_iter = iter(lse_list)
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, q_BLHd.device)
@@ -89,16 +97,8 @@ def _backward(
             q_BSud, out_BSud, dout_BSud = (
                 seq_to_head(_heads(t, q_idx), group) for t in (q_BLHd, out_BLHd, dout_BLHd)
             )
-            dq_BSud, dk_BSkd, dv_BSkd = attention_backward(
-                dout_BSud,
-                q_BSud,
-                k_BSkd,
-                v_BSkd,
-                out_BSud,
-                next(lse_iter),
-                causal=causal,
-                softmax_scale=scale,
-                backend=backend,
+            dq_BSud, dk_BSkd, dv_BSkd = attn.backward(
+                dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, next(lse_iter)
             )
             del q_BSud, out_BSud, dout_BSud
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
@@ -106,52 +106,84 @@ def _backward(
             del dk_BSkd, dv_BSkd
             dq_BLHd.index_copy_(2, q_idx, head_to_seq(dq_BSud, group))
         del k_BSkd, v_BSkd
-        for acc_BLGd, d32_BSkd in ((dk32_BLGd, dk32_BSkd), (dv32_BLGd, dv32_BSkd)):
-            acc_BLGd.index_add_(2, kv_idx, head_to_seq(d32_BSkd.to(k_BLGd.dtype), group))
+        for d_BLGd, d32_BSkd in ((dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)):
+            d_BLkd = head_to_seq(d32_BSkd.to(k_BLGd.dtype), group)
+            if replicated:
+                d_BLGd.index_add_(2, kv_idx, d_BLkd)
+            else:
+                d_BLGd.index_copy_(2, kv_idx, d_BLkd)
+            del d_BLkd
         del dk32_BSkd, dv32_BSkd
-    return dq_BLHd, dk32_BLGd.to(k_BLGd.dtype), dv32_BLGd.to(v_BLGd.dtype)
+    return dq_BLHd, dk_BLGd.to(k_BLGd.dtype), dv_BLGd.to(v_BLGd.dtype)
 
 
 class _UPipeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rounds, group, causal, scale, backend):
-        out, lse_list = _forward(q, k, v, rounds, group, causal, scale, backend)
+    def forward(ctx, q, k, v, rounds, group, attn):
+        out, lse_list = _forward(q, k, v, rounds, group, attn)
         ctx.save_for_backward(q, k, v, out)
         ctx.lse_list = lse_list
-        ctx.args = (rounds, group, causal, scale, backend)
+        ctx.args = (rounds, group, attn)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
         grads = _backward(dout.contiguous(), q, k, v, out, ctx.lse_list, *ctx.args)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None)
 
 
 def upipe_attention(
-    q, k, v, *, group, heads_per_stage=None, causal=True, softmax_scale=None, backend=None
+    q,
+    k,
+    v,
+    *,
+    group=None,
+    mesh=None,
+    heads_per_stage=None,
+    causal=True,
+    softmax_scale=None,
+    backend=None,
+    layout=None,
 ):
     """Ulysses attention in stages of `heads_per_stage` heads; same contract and result.
 
-    q `[B, L, H, d]`, k/v `[B, L, G, d]`, the sequence sharded contiguously across `group`
-    (rank r holds tokens r*L .. (r+1)*L-1); returns `[B, L, H, d]`. `heads_per_stage` (U)
-    defaults to the group size C (one head per rank per stage); any multiple of C that
+    q `[B, L, H, d]`, k/v `[B, L, G, d]`; returns `[B, L, H, d]`. With `group` (C ranks) the
+    sequence is sharded contiguously (rank r holds tokens r*L .. (r+1)*L-1). With `mesh`
+    (dims "ring" and "ulysses", see `upipe.make_mesh`) it is in the mesh layout of
+    `upipe.comm` (`shard_sequence(x, mesh=mesh, layout=layout)`; `layout` is the ring dim's,
+    default "zigzag"), the all-to-alls run over the ulysses dim (C = its size) and each
+    stage's attention is ring attention over the ring dim. Exactly one of group/mesh.
+    `heads_per_stage` (U) defaults to C (one head per rank per stage); any multiple of C that
     divides H and fits the GQA schedule (see `upipe.attention.schedule`); U = H is plain
     Ulysses. G may be smaller than C (kv heads are replicated) if it divides C.
     """
+    ulysses, ring_group, R, agree = resolve_groups(group, mesh)
+
+    def extra(C):
+        check_heads_per_stage(q.shape[2], k.shape[2], C, heads_per_stage)
+        if mesh is None and layout is not None:
+            raise ValueError(
+                f"layout={layout!r} applies to the ring dim of a mesh; with group= the "
+                "sequence is sharded contiguously (leave layout unset)"
+            )
+        check_ring_layout(layout or "zigzag", C * q.shape[1], R, C)
+
     validate_qkv(
         q,
         k,
         v,
-        group=group,
+        group=ulysses,
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
         replicate_kv=True,
-        extra=lambda C: check_heads_per_stage(q.shape[2], k.shape[2], C, heads_per_stage),
-        extra_signature={"heads_per_stage": heads_per_stage},
+        extra=extra,
+        extra_signature={"heads_per_stage": heads_per_stage, "layout": layout},
+        agree=agree,
     )
-    H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(group)
+    H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(ulysses)
     U = check_heads_per_stage(H, G, C, heads_per_stage)
     rounds = plan_rounds(H, G, C, U)
-    return _UPipeAttention.apply(q, k, v, rounds, group, causal, softmax_scale, backend)
+    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout or "zigzag")
+    return _UPipeAttention.apply(q, k, v, rounds, ulysses, attn)

@@ -1,0 +1,50 @@
+"""The attention one stage runs after the Ulysses all-to-all: local, or ring over a group.
+
+Legend: B batch, P tokens after the all-to-all (the full sequence S on a 1-D group; a ring
+rank's part of a 2-D mesh), u query heads, k kv heads, d head dim.
+
+The staged loops (upipe.py, fused.py) and USP (usp.py) call one pair on the gathered
+q_BPud, k_BPkd, v_BPkd:
+    forward(q, k, v) -> (out_BPud, lse_BuP)
+    backward(dout, q, k, v, out, lse) -> (dq, dk, dv)         (from the saved out and lse)
+Without a ring group it is the local kernel (`upipe.kernels`); with one, ring attention
+over it (ring.py's `_forward`/`_backward`, the P tokens in `layout` across the ring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from upipe.attention import ring
+from upipe.kernels import attention_backward, attention_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class StageAttention:
+    """Local attention, or with `ring_group` ring attention over it; see the module doc."""
+
+    causal: bool
+    scale: float | None
+    """softmax scale; None for 1 / sqrt(d)"""
+    backend: str | None
+    """local kernel (`upipe.kernels.BACKENDS`); None follows the device"""
+    ring_group: dist.ProcessGroup | None = None
+    """the ring (None: local attention over the P tokens)"""
+    layout: str = "zigzag"
+    """how the P tokens of the ring ranks interleave (`upipe.comm.LAYOUTS`)"""
+
+    def forward(self, q, k, v):
+        if self.ring_group is None:
+            kw = dict(causal=self.causal, softmax_scale=self.scale, backend=self.backend)
+            return attention_forward(q, k, v, **kw)
+        args = (self.ring_group, self.causal, self.scale, self.backend, self.layout)
+        return ring._forward(q, k, v, *args)
+
+    def backward(self, dout, q, k, v, out, lse):
+        if self.ring_group is None:
+            kw = dict(causal=self.causal, softmax_scale=self.scale, backend=self.backend)
+            return attention_backward(dout, q, k, v, out, lse, **kw)
+        args = (self.ring_group, self.causal, self.scale, self.backend, self.layout)
+        return ring._backward(dout, q, k, v, out, lse, *args)

@@ -1,0 +1,97 @@
+"""USP (unified sequence parallelism): Ulysses inside a ulysses group, ring across groups.
+
+Legend: B batch, S full sequence, R ring size, C ulysses size, L = S / (R * C) local tokens,
+P = C * L tokens of a ring rank, H query heads, G kv heads, h = H / C and g = G / C heads
+per rank, d head dim.
+
+The sequence is in the mesh layout of `upipe.comm` (`shard_sequence(x, mesh=mesh)`): the
+ring dim splits it in `layout` (zigzag: ring rank i holds chunks i and 2R-1-i of 2R), the
+ulysses dim splits each ring rank's part contiguously. Forward on each rank:
+    q_BLHd, k_BLGd, v_BLGd  --seq_to_head(ulysses)-->  q_BPhd, k_BPgd, v_BPgd
+        (the ring rank's P tokens, in its layout order, for h query and g kv heads)
+    out_BPhd, lse_BhP = ring attention over the ring group (ring.py, via stage.py)
+    out_BPhd  --head_to_seq(ulysses)-->  out_BLHd
+Backward: dout_BLHd -> dout_BPhd, the ring backward from the saved out and lse (kv blocks
+and their gradient accumulators travel the ring again), then dq/dk/dv back to the sequence
+layout. With R = 1 this is Ulysses (the local kernel, no ring), with C = 1 ring attention.
+
+Saved for backward: q_BPhd, k_BPgd, v_BPgd, out_BPhd, lse (as Ulysses, over P tokens);
+backward frees each as soon as it is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.attention.common import (
+    check_ring_layout,
+    resolve_groups,
+    save_for_backward,
+    saved_for_backward,
+    validate_qkv,
+)
+from upipe.attention.stage import StageAttention
+from upipe.comm import head_to_seq, seq_to_head
+from upipe.mesh import check_mesh
+
+
+def _forward(q_BLHd, k_BLGd, v_BLGd, ulysses, attn):
+    q_BPhd, k_BPgd, v_BPgd = (seq_to_head(t, ulysses) for t in (q_BLHd, k_BLGd, v_BLGd))
+    out_BPhd, lse_BhP = attn.forward(q_BPhd, k_BPgd, v_BPgd)
+    return head_to_seq(out_BPhd, ulysses), [q_BPhd, k_BPgd, v_BPgd, out_BPhd, lse_BhP]
+
+
+def _backward(dout_BLHd, saved, ulysses, attn):
+    """`saved` is a list this function empties, so each buffer dies as soon as it is used."""
+    dout_BPhd = seq_to_head(dout_BLHd, ulysses)
+    grads_BP = list(attn.backward(dout_BPhd, *saved))
+    saved.clear()
+    del dout_BPhd
+    grads_BL = []
+    while grads_BP:  # convert dq, dk, dv one at a time, freeing each head-layout gradient
+        grads_BL.append(head_to_seq(grads_BP.pop(0), ulysses))
+    return grads_BL
+
+
+class _USPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ulysses, attn):
+        out, saved = _forward(q, k, v, ulysses, attn)
+        save_for_backward(ctx, keep=(), free=saved)  # backward frees them one by one
+        ctx.args = (ulysses, attn)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = _backward(dout.contiguous(), saved_for_backward(ctx)[1], *ctx.args)
+        return (*grads, None, None)
+
+
+def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=None, layout="zigzag"):
+    """Attention over a sequence sharded across a 2-D mesh: Ulysses x ring.
+
+    q `[B, L, H, d]`, k/v `[B, L, G, d]`: this rank's tokens in the mesh layout
+    (`upipe.comm.shard_sequence(x, mesh=mesh, layout=layout)`). `mesh` has dims "ring" and
+    "ulysses" (`upipe.make_mesh`); any other dim (dp) holds independent replicas. Returns
+    `[B, L, H, d]`, the rank's rows of full attention over all R*C*L tokens; differentiable
+    w.r.t. q, k, v. Needs H and G divisible by the ulysses size C (query head h uses kv head
+    h // (H / G)); with layout="zigzag" and R > 1, C*L must be even. `backend` selects the
+    local kernel (see `upipe.kernels`).
+    """
+    check_mesh(mesh)
+    ulysses, ring_group, R, agree = resolve_groups(None, mesh)
+    validate_qkv(
+        q,
+        k,
+        v,
+        group=ulysses,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        replicate_kv=False,
+        extra=lambda C: check_ring_layout(layout, C * q.shape[1], R, C),
+        extra_signature={"layout": layout},
+        agree=agree,
+    )
+    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout)
+    return _USPAttention.apply(q, k, v, ulysses, attn)

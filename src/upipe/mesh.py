@@ -1,0 +1,90 @@
+"""The device mesh for 2-D context parallelism, built once; strategies take groups from it.
+
+    mesh = upipe.make_mesh(ulysses=4, ring=2)          # 8 ranks: 2 ring x 4 ulysses
+    mesh["ulysses"].get_group()                        # the all-to-all group (heads)
+    mesh["ring"].get_group()                           # the ring group (K/V blocks)
+
+Dims are ("dp", "ring", "ulysses"), ulysses innermost: global rank = (dp_rank * ring +
+ring_rank) * ulysses + ulysses_rank, so consecutive ranks (one node, the fast links) form a
+ulysses group and the ring spans nodes. The sequence layout on a mesh is described in
+`upipe.comm`.
+
+Strategies accept any `DeviceMesh` with dims named "ring" and "ulysses" (other dims, such as
+"dp", hold independent replicas); `check_mesh` says what is wrong with one that does not fit.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp", "ring", "ulysses")
+
+
+def make_mesh(*, ulysses: int, ring: int = 1, dp: int = 1, device_type: str = "cpu") -> DeviceMesh:
+    """A `DeviceMesh` of shape (dp, ring, ulysses) with those dim names over all ranks.
+
+    Call it once, on every rank, after `torch.distributed.init_process_group`; dp * ring *
+    ulysses must equal the world size. `device_type` is "cpu" (gloo) or "cuda" (NCCL).
+    """
+    degrees = {"dp": dp, "ring": ring, "ulysses": ulysses}
+    for name, val in degrees.items():
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if not dist.is_initialized():
+        raise ValueError(
+            "make_mesh needs the default process group; call "
+            "torch.distributed.init_process_group first (e.g. under torchrun)"
+        )
+    world = dist.get_world_size()
+    if dp * ring * ulysses != world:
+        if world % (ring * ulysses) == 0:
+            fix = f"use dp={world // (ring * ulysses)}"
+        elif world % (dp * ring) == 0:
+            fix = f"use ulysses={world // (dp * ring)}"
+        else:
+            fix = f"choose degrees whose product is {world}, e.g. ulysses={world}, ring=1, dp=1"
+        raise ValueError(
+            f"dp * ring * ulysses = {dp} * {ring} * {ulysses} = {dp * ring * ulysses} must equal "
+            f"the world size ({world}); {fix}"
+        )
+    return init_device_mesh(device_type, (dp, ring, ulysses), mesh_dim_names=MESH_DIMS)
+
+
+def check_mesh(mesh) -> tuple[int, int]:
+    """(ring size, ulysses size) of `mesh`; TypeError/ValueError if it is not usable."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+            f"{type(mesh).__name__}; build one with upipe.make_mesh(ulysses=..., ring=...)"
+        )
+    names = mesh.mesh_dim_names or ()
+    if "ring" not in names or "ulysses" not in names:
+        raise ValueError(
+            f"mesh needs dims named 'ring' and 'ulysses', got {names}; build it with "
+            "upipe.make_mesh(ulysses=..., ring=...)"
+        )
+    return mesh["ring"].size(), mesh["ulysses"].size()
+
+
+def mesh_coordinates(mesh) -> tuple[int, int]:
+    """This rank's (ring rank, ulysses rank) in `mesh`."""
+    return mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+
+
+def validation_group(mesh):
+    """(group over every rank of `mesh`, the global ranks of this rank's ring x ulysses block).
+
+    Input checks exchange their verdict over the whole mesh, so that no rank of any replica
+    waits in a collective that a failing rank never joins; shapes need only agree within a
+    block (the ranks that compute one attention together).
+    """
+    if mesh.size() == dist.get_world_size():
+        group = dist.group.WORLD
+    else:  # a sub-mesh: one group over its ranks (created once and cached by the mesh)
+        group = mesh._flatten().get_group()
+    names, coord = mesh.mesh_dim_names, mesh.get_coordinate()
+    block = tuple(
+        slice(None) if n in ("ring", "ulysses") else c for n, c in zip(names, coord, strict=True)
+    )
+    return group, tuple(mesh.mesh[block].flatten().tolist())
