@@ -6,11 +6,12 @@ memory first (one pass each under `upipe.MemoryTracker`), then timing -- warm-up
 A round's time is the slowest rank's forward+backward; the table shows the median round.
 
     python benchmarks/bench_attention.py                       # the issue's configuration
-    python benchmarks/bench_attention.py --mode functional --methods ulysses upipe ring
+    python benchmarks/bench_attention.py --mode functional --methods ulysses upipe ring usp
     python benchmarks/bench_attention.py --seq-len 4096 --repeats 2 --json out.json
 
 Modes: "module" times `ContextParallelAttention` (projections, RoPE, attention, o_proj; the
-x gradient and the weight gradients); "functional" times `*_attention(q, k, v)` alone.
+x gradient and the weight gradients); "functional" times `*_attention(q, k, v)` alone
+(usp on a ring-of-2 x ulysses-C/2 mesh).
 Memory is the peak of tensors allocated during forward+backward (inputs and parameters
 excluded), in bytes and in units of one [B, L, D] tensor of the input dtype.
 """
@@ -63,40 +64,49 @@ def _rank(rank, world_size, cfg):
         pos = upipe.shard_sequence(torch.arange(S).expand(B, S), group=group)
         dy = torch.randn(B, L, D, generator=gen)
 
-        def step(key, n=L):
+        def prepare(key, n=L):
+            """The inputs of one step (made outside the measured region), and the step."""
             xs = x[:, :n].clone().requires_grad_()
             layer = layers[key]
             layer.zero_grad(set_to_none=True)
-            y = layer(xs, pos[:, :n])
-            y.backward(dy[:, :n])
+            return lambda: layer(xs, pos[:, :n]).backward(dy[:, :n])
     else:
         q = torch.randn(B, L, H, d, generator=gen)
         k = torch.randn(B, L, G, d, generator=gen)
         v = torch.randn(B, L, G, d, generator=gen)
         dout = torch.randn(B, L, H, d, generator=gen)
 
-        def step(key, n=L):
+        mesh = None
+        if any(name == "usp" for name, _ in methods):
+            mesh = upipe.make_mesh(ring=2, ulysses=C // 2)
+
+        def prepare(key, n=L):
+            """The inputs of one step (made outside the measured region), and the step."""
             name, U = key
             leaves = [t[:, :n].clone().requires_grad_() for t in (q, k, v)]
+            if name == "usp":  # ring of 2 x ulysses C/2 (timing and memory: layout-agnostic)
+                return lambda: upipe.usp_attention(*leaves, mesh=mesh).backward(dout[:, :n])
             kw = {"heads_per_stage": U} if name == "upipe" else {}
-            out = getattr(upipe, f"{name}_attention")(*leaves, group=group, **kw)
-            out.backward(dout[:, :n])
+            fn = getattr(upipe, f"{name}_attention")
+            return lambda: fn(*leaves, group=group, **kw).backward(dout[:, :n])
 
     unit = B * L * D * 4
     memory, times = {}, {key: [] for key in methods}
     for key in methods:
-        step(key, n=min(L, 64))  # warm-up: connections, allocator, caches
+        prepare(key, n=min(L, 64))()  # warm-up: connections, allocator, caches
+        step = prepare(key)
         with upipe.MemoryTracker() as mem:
-            step(key)
+            step()
         memory[key] = mem.peak_bytes
     for _ in range(cfg["warmup"]):
         for key in methods:
-            step(key)
+            prepare(key)()
     for _ in range(cfg["repeats"]):
         for key in methods:
+            step = prepare(key)
             dist.barrier(group)
             t0 = time.perf_counter()
-            step(key)
+            step()
             times[key].append(time.perf_counter() - t0)
     peaks = [None] * C
     dist.all_gather_object(peaks, (memory, times), group=group)
