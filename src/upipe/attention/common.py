@@ -183,10 +183,12 @@ def validate_qkv(
     extra=None,
     extra_signature=None,
     agree=None,
+    split_heads=True,
 ):
     """Full validation of a strategy's (q, k, v) on every rank.
 
-    Heads are split over `group` (its size C). The verdict is exchanged over `group`, or
+    Heads are split over `group` (its size C), unless `split_heads` is False (ring
+    attention keeps whole heads on every rank). The verdict is exchanged over `group`, or
     over `agree` = (group, cohort) from `resolve_groups` on a mesh (messages then call C
     the ulysses size). `extra_signature` adds
     options all ranks must agree on. `extra` is an optional callable(C) with
@@ -200,7 +202,7 @@ def validate_qkv(
             q,
             k,
             v,
-            C=C,
+            C=C if split_heads else 1,
             causal=causal,
             softmax_scale=softmax_scale,
             backend=backend,

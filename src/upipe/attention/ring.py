@@ -36,13 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from upipe.attention.common import (
-    agree_across_ranks,
-    check_group,
-    check_qkv_local,
-    save_for_backward,
-    saved_for_backward,
-)
+from upipe.attention.common import save_for_backward, saved_for_backward, validate_qkv
 from upipe.comm import LAYOUTS, ring_send_recv
 from upipe.kernels import attention_backward, attention_forward
 
@@ -164,45 +158,15 @@ class _RingAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-def _validate(q, k, v, group, causal, softmax_scale, backend, layout):
-    """`validate_qkv`'s checks without head divisibility (the ring does not split heads),
-    plus the layout; the same error on every rank before any collective."""
-    check_group(group)
-
-    def local():
-        # C=1: no head-count constraint from the group (heads stay whole on every rank)
-        check_qkv_local(
-            q,
-            k,
-            v,
-            C=1,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            backend=backend,
-            replicate_kv=True,
+def _check_layout(layout, L, C):
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    if layout == "zigzag" and L % 2:
+        raise ValueError(
+            f"layout='zigzag' needs an even local sequence length (each rank holds two "
+            f"chunks of L/2 tokens), got {L}; pad the full sequence to a multiple "
+            f"of 2 * group size = {2 * C}, or use layout='contiguous'"
         )
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
-        if layout == "zigzag" and q.shape[1] % 2:
-            C = dist.get_world_size(group)
-            raise ValueError(
-                f"layout='zigzag' needs an even local sequence length (each rank holds two "
-                f"chunks of L/2 tokens), got {q.shape[1]}; pad the full sequence to a multiple "
-                f"of 2 * group size = {2 * C}, or use layout='contiguous'"
-            )
-
-    def signature():
-        return {
-            "q shape": tuple(q.shape),
-            "k shape": tuple(k.shape),
-            "dtype": str(q.dtype),
-            "device type": q.device.type,
-            "causal": causal,
-            "softmax_scale": softmax_scale,
-            "layout": layout,
-        }
-
-    agree_across_ranks(group, local, signature)
 
 
 def ring_attention(
@@ -217,5 +181,17 @@ def ring_attention(
     C*L tokens; differentiable w.r.t. q, k, v. Any H and G with G dividing H (query head h
     uses kv head h // (H / G)). `backend` selects the local kernel (see `upipe.kernels`).
     """
-    _validate(q, k, v, group, causal, softmax_scale, backend, layout)
+    validate_qkv(
+        q,
+        k,
+        v,
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        replicate_kv=True,
+        split_heads=False,  # heads stay whole on every rank
+        extra=lambda C: _check_layout(layout, q.shape[1], C),
+        extra_signature={"layout": layout},
+    )
     return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, layout)

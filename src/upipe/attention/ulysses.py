@@ -20,24 +20,20 @@ from __future__ import annotations
 import torch
 
 from upipe.attention.common import save_for_backward, saved_for_backward, validate_qkv
+from upipe.attention.stage import StageAttention
 from upipe.comm import head_to_seq, seq_to_head
-from upipe.kernels import attention_backward, attention_forward
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend):
+def _forward(q_BLHd, k_BLGd, v_BLGd, group, attn):
     q_BShd, k_BSgd, v_BSgd = (seq_to_head(t, group) for t in (q_BLHd, k_BLGd, v_BLGd))
-    out_BShd, lse_BhS = attention_forward(
-        q_BShd, k_BSgd, v_BSgd, causal=causal, softmax_scale=scale, backend=backend
-    )
-    return head_to_seq(out_BShd, group), (q_BShd, k_BSgd, v_BSgd, out_BShd, lse_BhS)
+    out_BShd, lse_BhS = attn.forward(q_BShd, k_BSgd, v_BSgd)
+    return head_to_seq(out_BShd, group), [q_BShd, k_BSgd, v_BSgd, out_BShd, lse_BhS]
 
 
-def _backward(dout_BLHd, saved, group, causal, scale, backend):
+def _backward(dout_BLHd, saved, group, attn):
     """`saved` is a list this function empties, so each buffer dies as soon as it is used."""
     dout_BShd = seq_to_head(dout_BLHd, group)
-    grads_BS = list(
-        attention_backward(dout_BShd, *saved, causal=causal, softmax_scale=scale, backend=backend)
-    )
+    grads_BS = list(attn.backward(dout_BShd, *saved))
     saved.clear()
     del dout_BShd
     grads_BL = []
@@ -46,18 +42,21 @@ def _backward(dout_BLHd, saved, group, causal, scale, backend):
     return grads_BL
 
 
-class _UlyssesAttention(torch.autograd.Function):
+class UlyssesFunction(torch.autograd.Function):
+    """Ulysses around any stage attention `attn` (stage.py): the local kernel here, ring
+    attention over the ring group in USP (usp.py)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend):
-        out, saved = _forward(q, k, v, group, causal, scale, backend)
+    def forward(ctx, q, k, v, group, attn):
+        out, saved = _forward(q, k, v, group, attn)
         save_for_backward(ctx, keep=(), free=saved)  # backward frees them one by one
-        ctx.args = (group, causal, scale, backend)
+        ctx.args = (group, attn)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         grads = _backward(dout.contiguous(), saved_for_backward(ctx)[1], *ctx.args)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None)
 
 
 def ulysses_attention(q, k, v, *, group, causal=True, softmax_scale=None, backend=None):
@@ -79,4 +78,4 @@ def ulysses_attention(q, k, v, *, group, causal=True, softmax_scale=None, backen
         backend=backend,
         replicate_kv=False,
     )
-    return _UlyssesAttention.apply(q, k, v, group, causal, softmax_scale, backend)
+    return UlyssesFunction.apply(q, k, v, group, StageAttention(causal, softmax_scale, backend))

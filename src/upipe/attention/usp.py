@@ -16,55 +16,16 @@ and their gradient accumulators travel the ring again), then dq/dk/dv back to th
 layout. With R = 1 this is Ulysses (the local kernel, no ring), with C = 1 ring attention.
 
 Saved for backward: q_BPhd, k_BPgd, v_BPgd, out_BPhd, lse (as Ulysses, over P tokens);
-backward frees each as soon as it is used.
+backward frees each as soon as it is used. The autograd function is Ulysses' own
+(`ulysses.UlyssesFunction`) with ring attention as its stage attention.
 """
 
 from __future__ import annotations
 
-import torch
-
-from upipe.attention.common import (
-    check_ring_layout,
-    resolve_groups,
-    save_for_backward,
-    saved_for_backward,
-    validate_qkv,
-)
+from upipe.attention.common import check_ring_layout, resolve_groups, validate_qkv
 from upipe.attention.stage import StageAttention
-from upipe.comm import head_to_seq, seq_to_head
+from upipe.attention.ulysses import UlyssesFunction
 from upipe.mesh import check_mesh
-
-
-def _forward(q_BLHd, k_BLGd, v_BLGd, ulysses, attn):
-    q_BPhd, k_BPgd, v_BPgd = (seq_to_head(t, ulysses) for t in (q_BLHd, k_BLGd, v_BLGd))
-    out_BPhd, lse_BhP = attn.forward(q_BPhd, k_BPgd, v_BPgd)
-    return head_to_seq(out_BPhd, ulysses), [q_BPhd, k_BPgd, v_BPgd, out_BPhd, lse_BhP]
-
-
-def _backward(dout_BLHd, saved, ulysses, attn):
-    """`saved` is a list this function empties, so each buffer dies as soon as it is used."""
-    dout_BPhd = seq_to_head(dout_BLHd, ulysses)
-    grads_BP = list(attn.backward(dout_BPhd, *saved))
-    saved.clear()
-    del dout_BPhd
-    grads_BL = []
-    while grads_BP:  # convert dq, dk, dv one at a time, freeing each head-layout gradient
-        grads_BL.append(head_to_seq(grads_BP.pop(0), ulysses))
-    return grads_BL
-
-
-class _USPAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, ulysses, attn):
-        out, saved = _forward(q, k, v, ulysses, attn)
-        save_for_backward(ctx, keep=(), free=saved)  # backward frees them one by one
-        ctx.args = (ulysses, attn)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        grads = _backward(dout.contiguous(), saved_for_backward(ctx)[1], *ctx.args)
-        return (*grads, None, None)
 
 
 def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=None, layout="zigzag"):
@@ -94,4 +55,4 @@ def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=Non
         agree=agree,
     )
     attn = StageAttention(causal, softmax_scale, backend, ring_group, layout)
-    return _USPAttention.apply(q, k, v, ulysses, attn)
+    return UlyssesFunction.apply(q, k, v, ulysses, attn)
