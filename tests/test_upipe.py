@@ -14,7 +14,9 @@ from workers import (
     module_under_hooks,
     reference,
     run_functional,
+    run_functional_layout,
     run_module,
+    run_module_layout,
 )
 
 from upipe.attention.schedule import plan_rounds, valid_heads_per_stage
@@ -168,3 +170,26 @@ def test_property_right_answer_or_clear_error(clusters, C, H, G, U, B, L, causal
     ref = reference(*make_qkv(**shape), causal=causal)
     for a, r in zip(got, ref, strict=True):
         assert rel_err(a, r) < BWD
+
+
+@pytest.mark.parametrize("strategy,kwargs", [("ulysses", {}), ("upipe", {"heads_per_stage": 4})])
+@pytest.mark.parametrize("causal", [True, False])
+def test_zigzag_layout_on_a_group(clusters, strategy, kwargs, causal):
+    """Ulysses and UPipe take the ring's zigzag layout too (the exchange restores order)."""
+    shape = dict(B=2, S=64, H=8, G=4, d=8)
+    res = clusters(4).run(
+        run_functional_layout, strategy, shape, {"causal": causal, **kwargs}, "zigzag"
+    )
+    ref = reference(*make_qkv(**shape), causal=causal)
+    for a, r in zip(res[0], ref, strict=True):
+        assert rel_err(a, r) < BWD
+
+
+@pytest.mark.parametrize("strategy", ["upipe", "ulysses"])
+def test_module_zigzag_layout_on_a_group(clusters, strategy):
+    cfg = dict(B=1, S=64, dim=32, num_heads=8, num_kv_heads=4, head_dim=8)
+    res = clusters(4).run(run_module_layout, cfg, {"strategy": strategy}, "zigzag")
+    ref = module_reference(cfg)
+    assert rel_err(res[0]["y"], ref["y"]) < FWD
+    assert rel_err(res[0]["dx"], ref["dx"]) < BWD
+    assert rel_err(sum(r["q_proj"] for r in res), ref["q_proj"]) < BWD

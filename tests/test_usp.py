@@ -188,10 +188,10 @@ MESH_CALL_ERRORS = {  # case: (error type, pattern)
     "usp kv heads": ("ValueError", r"kv heads \(1\) must be divisible by the ulysses size \(2\)"),
     "usp one rank differs": ("ValueError", r"ranks disagree.*rank 0 has .*rank 3 has \(1, 6"),
     "upipe both": ("ValueError", r"exactly one of group="),
-    "upipe layout on group": ("ValueError", r"layout='zigzag' applies to the ring dim of a mesh"),
+    "upipe layout on group": ("ValueError", r"unknown sequence layout 'diagonal'"),
     "upipe heads_per_stage": ("ValueError", r"heads_per_stage \(3\)"),
     "module both": ("ValueError", r"exactly one of group="),
-    "module layout on group": ("ValueError", r"applies to the ring dim of a mesh"),
+    "module layout on group": ("ValueError", r"unknown sequence layout 'diagonal'"),
     "module kv heads": ("ValueError", r"num_kv_heads \(1\) divisible by the ulysses size \(2\)"),
 }
 

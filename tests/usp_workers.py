@@ -139,14 +139,14 @@ def mesh_call_errors(rank, world_size):
         "usp one rank differs": lambda: upipe.usp_attention(mine, mine, mine, mesh=mesh),
         "upipe both": lambda: upipe.upipe_attention(ok, ok, ok, group=world, mesh=mesh),
         "upipe layout on group": lambda: upipe.upipe_attention(
-            ok, ok, ok, group=world, layout="zigzag"
+            ok, ok, ok, group=world, layout="diagonal"
         ),
         "upipe heads_per_stage": lambda: upipe.upipe_attention(
             ok, ok, ok, mesh=mesh, heads_per_stage=3
         ),
         "module both": lambda: upipe.ContextParallelAttention(16, 4, 2, group=world, mesh=mesh),
         "module layout on group": lambda: upipe.ContextParallelAttention(
-            16, 4, 2, group=world, layout="zigzag"
+            16, 4, 2, group=world, layout="diagonal"
         ),
         "module kv heads": lambda: upipe.ContextParallelAttention(
             16, 4, 1, mesh=mesh, strategy="ulysses"

@@ -189,3 +189,37 @@ def double_backward_error(rank, world_size, what):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def run_functional_layout(rank, world_size, strategy, shape, kwargs, layout):
+    """run_functional in a given sequence layout; returns the shards gathered back in order."""
+    group = dist.group.WORLD
+    q, k, v, dout = make_qkv(**shape)
+    leaves = [
+        upipe.shard_sequence(t, group=group, layout=layout).requires_grad_() for t in (q, k, v)
+    ]
+    out = getattr(upipe, f"{strategy}_attention")(*leaves, group=group, layout=layout, **kwargs)
+    out.backward(upipe.shard_sequence(dout, group=group, layout=layout))
+    return [
+        upipe.unshard_sequence(t.detach().double(), group=group, layout=layout)
+        for t in (out, *(x.grad for x in leaves))
+    ]
+
+
+def run_module_layout(rank, world_size, cfg, kwargs, layout):
+    """run_module with the sequence (x, positions, dy) in `layout`; y, dx gathered in order."""
+    group = dist.group.WORLD
+    x, dy, pos = make_module_inputs(**cfg)
+    layer = upipe.ContextParallelAttention(
+        *(cfg.get(a) for a in MODULE_ARGS), group=group, layout=layout, **kwargs
+    )
+    with torch.no_grad():
+        for n, t in make_weights(cfg).items():
+            getattr(layer, n).weight.copy_(t)
+    shard = lambda t: upipe.shard_sequence(t, group=group, layout=layout)  # noqa: E731
+    xs = shard(x).requires_grad_()
+    y = layer(xs, shard(pos))
+    y.backward(shard(dy))
+    grads = {n: getattr(layer, n).weight.grad.double() for n in ("q_proj", "o_proj")}
+    gather = lambda t: upipe.unshard_sequence(t, group=group, layout=layout)  # noqa: E731
+    return {"y": gather(y.detach().double()), "dx": gather(xs.grad.double()), **grads}

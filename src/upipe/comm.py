@@ -39,6 +39,7 @@ block past every rank. Not differentiable: ring attention sends its own gradient
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -63,8 +64,12 @@ def _release(buf: torch.Tensor, *, keep: torch.Tensor) -> None:
         storage.resize_(0)
 
 
-def seq_to_head(x_BLHd: torch.Tensor, group) -> torch.Tensor:
-    """[B, L, H, d] (my tokens, all heads) -> [B, S, H/C, d] (all tokens, my heads)."""
+def seq_to_head(x_BLHd: torch.Tensor, group, layout: str = "contiguous") -> torch.Tensor:
+    """[B, L, H, d] (my tokens, all heads) -> [B, S, H/C, d] (all tokens, my heads).
+
+    The tokens come out in sequence order: with layout="zigzag" (rank r holds chunks r and
+    2C-1-r) the received chunks are put back in order (one copy).
+    """
     C = _size(group)
     if C == 1:
         return x_BLHd
@@ -74,17 +79,28 @@ def seq_to_head(x_BLHd: torch.Tensor, group) -> torch.Tensor:
     recv_CBLhd = torch.empty_like(send_CBLhd)  # recv[c] = rank c's tokens for my heads
     dist.all_to_all_single(recv_CBLhd, send_CBLhd, group=group)
     _release(send_CBLhd, keep=x_BLHd)
+    if layout == "zigzag":  # chunk c < C is rank c's first half, chunk 2C-1-c its second
+        halves_C2BLhd = recv_CBLhd.unflatten(2, (2, L // 2)).transpose(1, 2)
+        chunks_2CBLhd = torch.cat([halves_C2BLhd[:, 0], halves_C2BLhd[:, 1].flip(0)])
+        _release(recv_CBLhd, keep=chunks_2CBLhd)
+        return chunks_2CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
     return recv_CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
 
 
-def head_to_seq(x_BShd: torch.Tensor, group) -> torch.Tensor:
-    """[B, S, H/C, d] (all tokens, my heads) -> [B, L, H, d] (my tokens, all heads)."""
+def head_to_seq(x_BShd: torch.Tensor, group, layout: str = "contiguous") -> torch.Tensor:
+    """[B, S, H/C, d] (all tokens in order, my heads) -> [B, L, H, d] (my tokens, all heads),
+    my tokens being those of `layout` (the inverse of `seq_to_head`)."""
     C = _size(group)
     if C == 1:
         return x_BShd
     B, S, h, d = x_BShd.shape
     # send_CBLhd[c] = rank c's tokens for my heads
-    send_CBLhd = x_BShd.unflatten(1, (C, S // C)).transpose(0, 1).contiguous()
+    if layout == "zigzag":  # rank c's tokens: chunk c, then chunk 2C-1-c
+        chunks_B2Cchd = x_BShd.unflatten(1, (2 * C, S // (2 * C)))
+        pairs_BC2chd = torch.stack([chunks_B2Cchd[:, :C], chunks_B2Cchd[:, C:].flip(1)], dim=2)
+        send_CBLhd = pairs_BC2chd.flatten(2, 3).transpose(0, 1).contiguous()
+    else:
+        send_CBLhd = x_BShd.unflatten(1, (C, S // C)).transpose(0, 1).contiguous()
     recv_CBLhd = torch.empty_like(send_CBLhd)  # recv[c] = my tokens for the heads of rank c
     dist.all_to_all_single(recv_CBLhd, send_CBLhd, group=group)
     _release(send_CBLhd, keep=x_BShd)
@@ -92,6 +108,20 @@ def head_to_seq(x_BShd: torch.Tensor, group) -> torch.Tensor:
     out_BLHd = recv_CBLhd.permute(1, 2, 0, 3, 4).reshape(B, S // C, C * h, d).contiguous()
     _release(recv_CBLhd, keep=out_BLHd)
     return out_BLHd
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadExchange:
+    """The Ulysses exchange over `group` for a sequence sharded in `layout`."""
+
+    group: dist.ProcessGroup
+    layout: str = "contiguous"
+
+    def to_head(self, x_BLHd: torch.Tensor) -> torch.Tensor:
+        return seq_to_head(x_BLHd, self.group, self.layout)
+
+    def to_seq(self, x_BShd: torch.Tensor) -> torch.Tensor:
+        return head_to_seq(x_BShd, self.group, self.layout)
 
 
 class SeqToHead(torch.autograd.Function):

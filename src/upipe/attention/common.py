@@ -153,6 +153,18 @@ def check_ring_layout(layout, P: int, R: int, C: int) -> None:
         )
 
 
+def check_layout(layout, L, C):
+    """The sequence layout of a 1-D group of C ranks holding L tokens each."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    if layout == "zigzag" and L % 2:
+        raise ValueError(
+            f"layout='zigzag' needs an even local sequence length (each rank holds two "
+            f"chunks of L/2 tokens), got {L}; pad the full sequence to a multiple "
+            f"of 2 * group size = {2 * C}, or use layout='contiguous'"
+        )
+
+
 def resolve_groups(group, mesh):
     """The process groups a strategy uses, from exactly one of `group` (1-D) or `mesh` (2-D).
 

@@ -30,7 +30,7 @@ import torch
 from upipe.attention.common import save_for_backward, saved_for_backward
 from upipe.attention.stage import StageAttention
 from upipe.attention.upipe import acc_dtype, accumulate
-from upipe.comm import head_to_seq, seq_to_head
+from upipe.comm import HeadExchange
 from upipe.rope import apply_rope, apply_rope_backward
 
 
@@ -95,13 +95,13 @@ def _heads_of(x_ND, w_rows, B, L, d, rope=None):
     return apply_rope(t_BLnd, cos, sin, interleaved=interleaved)
 
 
-def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, group):
-    k_BSkd = seq_to_head(_heads_of(x_ND, wk_rows, B, L, d, rope), group)
-    v_BSkd = seq_to_head(_heads_of(x_ND, wv_rows, B, L, d), group)
+def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, ex):
+    k_BSkd = ex.to_head(_heads_of(x_ND, wk_rows, B, L, d, rope))
+    v_BSkd = ex.to_head(_heads_of(x_ND, wv_rows, B, L, d))
     return k_BSkd, v_BSkd
 
 
-def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, attn):
+def _forward(x, wq, wk, wv, wo, rope, rounds, d, ex, attn):
     """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse."""
     B, L, D = x.shape
     x_ND = x.reshape(B * L, D)
@@ -112,14 +112,14 @@ def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, attn):
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
         k_BSkd, v_BSkd = _kv_round(
-            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, group
+            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, ex
         )
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
-            q_BSud = seq_to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope), group)
+            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope))
             out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
-            out_BLUd = head_to_seq(out_BSud, group)
+            out_BLUd = ex.to_seq(out_BSud)
             del out_BSud
             _addmm_(y32_ND, out_BLUd.view(B * L, -1), wo_DHd.index_select(1, q_idx).flatten(1).t())
             out_slices.append(out_BLUd)
@@ -128,7 +128,7 @@ def _forward(x, wq, wk, wv, wo, rope, rounds, d, group, attn):
     return y32_ND.view(B, L, D).to(x.dtype), out_slices, lse_list
 
 
-def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, group, attn):
+def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, ex, attn):
     """Gradients (dx, dwq, dwk, dwv, dwo). Empties `out_slices` and `lse_list` as it goes.
 
     Memory: each stage's saved output is freed once its stage is done, and the projection
@@ -148,19 +148,19 @@ def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, grou
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
         k_BSkd, v_BSkd = _kv_round(
-            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, group
+            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, ex
         )
         dk32_BSkd = dv32_BSkd = None
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
-            q_BSud = seq_to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope), group)
+            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope))
             out_BLUd = out_slices.pop(0)
             wo_cols = wo_DHd.index_select(1, q_idx).flatten(1)  # [D, U*d]
             dout_BLUd = (dy_ND @ wo_cols).view(B, L, -1, d)
             dwo_DHd.index_copy_(1, q_idx, (dy_ND.t() @ out_BLUd.view(B * L, -1)).view(D, -1, d))
-            out_BSud = seq_to_head(out_BLUd, group)
+            out_BSud = ex.to_head(out_BLUd)
             del out_BLUd
-            dout_BSud = seq_to_head(dout_BLUd, group)
+            dout_BSud = ex.to_head(dout_BLUd)
             del dout_BLUd
             dq_BSud, dk_BSkd, dv_BSkd = attn.backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_list.pop(0)
@@ -169,7 +169,7 @@ def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, grou
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            dq_BLUd = head_to_seq(dq_BSud, group)
+            dq_BLUd = ex.to_seq(dq_BSud)
             del dq_BSud
             dq_BLUd = apply_rope_backward(dq_BLUd, rope[0], rope[1], interleaved=rope[2])
             dq_NUd = dq_BLUd.view(B * L, -1)
@@ -181,7 +181,7 @@ def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, grou
             (dk32_BSkd, wk_GdD, dwk32_GdD, True),
             (dv32_BSkd, wv_GdD, dwv32_GdD, False),
         ):
-            g_BLnd = head_to_seq(d32_BSkd.to(x.dtype), group)
+            g_BLnd = ex.to_seq(d32_BSkd.to(x.dtype))
             if rotated:
                 g_BLnd = apply_rope_backward(g_BLnd, rope[0], rope[1], interleaved=rope[2])
             g_Nn = g_BLnd.view(B * L, -1)
@@ -201,18 +201,18 @@ def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, grou
 
 class _FusedUPipe(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, cos, sin, interleaved, rounds, d, group, attn):
+    def forward(ctx, x, wq, wk, wv, wo, cos, sin, interleaved, rounds, d, ex, attn):
         rope = (cos, sin, interleaved)
-        y, out_slices, lse_list = _forward(x, wq, wk, wv, wo, rope, rounds, d, group, attn)
+        y, out_slices, lse_list = _forward(x, wq, wk, wv, wo, rope, rounds, d, ex, attn)
         # backward frees the stage outputs and lse stage by stage
         save_for_backward(ctx, keep=(x, wq, wk, wv, wo, cos, sin), free=out_slices + lse_list)
-        ctx.args = (interleaved, rounds, d, group, attn)
+        ctx.args = (interleaved, rounds, d, ex, attn)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (x, wq, wk, wv, wo, cos, sin), stashed = saved_for_backward(ctx)
-        interleaved, rounds, d, group, attn = ctx.args
+        interleaved, rounds, d, ex, attn = ctx.args
         n = len(stashed) // 2
         out_slices, lse_list = stashed[:n], stashed[n:]
         del stashed
@@ -228,7 +228,7 @@ class _FusedUPipe(torch.autograd.Function):
             lse_list,
             rounds,
             d,
-            group,
+            ex,
             attn,
         )
         return (*grads, *([None] * 7))
@@ -250,19 +250,22 @@ def fused_upipe_attention(
     softmax_scale=None,
     backend=None,
     rope_interleaved=False,
+    layout="contiguous",
     ring_group=None,
-    layout="zigzag",
+    ring_layout="zigzag",
 ):
     """y = o_proj(UPipe(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with everything staged.
 
     x `[B, L, D]` (this rank's shard), weights in `torch.nn.Linear` layout (wq `[H*d, D]`,
     wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's global positions,
-    `rounds` from `upipe.attention.schedule.plan_rounds`. The all-to-alls run over `group`;
-    with `ring_group` (a 2-D mesh, x in the mesh layout of `upipe.comm` with the ring dim in
-    `layout`) each stage's attention is ring attention over it. Inputs are not validated
-    here: `ContextParallelAttention` does that.
+    `rounds` from `upipe.attention.schedule.plan_rounds`. The all-to-alls run over `group`
+    for a sequence sharded in `layout`; with `ring_group` (a 2-D mesh: x in the mesh layout
+    of `upipe.comm`, contiguous within the ulysses group, `ring_layout` across the ring) each
+    stage's attention is ring attention over it. Inputs are not validated here:
+    `ContextParallelAttention` does that.
     """
-    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout)
+    ex = HeadExchange(group, layout)
+    attn = StageAttention(causal, softmax_scale, backend, ring_group, ring_layout)
     return _FusedUPipe.apply(
-        x, wq, wk, wv, wo, cos, sin, rope_interleaved, rounds, head_dim, group, attn
+        x, wq, wk, wv, wo, cos, sin, rope_interleaved, rounds, head_dim, ex, attn
     )

@@ -24,6 +24,7 @@ from upipe.attention.common import (
     _divisors,
     agree_across_ranks,
     check_group,
+    check_layout,
     check_ring_layout,
     resolve_groups,
 )
@@ -42,9 +43,11 @@ class ContextParallelAttention(nn.Module):
 
     `forward(x, position_ids)`: x `[B, L, D]` holds this rank's tokens, position_ids
     `[B, L]` their global positions; returns `[B, L, D]`. With `group` (C ranks) rank r holds
-    tokens r*L .. (r+1)*L-1; with `mesh` (`upipe.make_mesh`) the tokens of
-    `shard_sequence(x, mesh=mesh, layout=layout)` (layout of the ring dim, default "zigzag";
-    `sequence_positions(S, mesh=mesh)` gives their positions), and C is the ulysses size.
+    its tokens in `layout`: "contiguous" (default; tokens r*L .. (r+1)*L-1) or "zigzag"
+    (chunks r and 2C-1-r of 2C, `shard_sequence(x, group=group, layout="zigzag")`); with
+    `mesh` (`upipe.make_mesh`) the tokens of `shard_sequence(x, mesh=mesh, layout=layout)`
+    (layout of the ring dim, default "zigzag"; `sequence_positions(S, mesh=mesh)` gives
+    their positions), and C is the ulysses size.
     Exactly one of group/mesh. All ranks call it together (it communicates).
     """
 
@@ -70,11 +73,6 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         ulysses, self.ring_group, R, self.agree = resolve_groups(group, mesh)
         C = check_group(ulysses)
-        if mesh is None and layout is not None:
-            raise ValueError(
-                f"layout={layout!r} applies to the ring dim of a mesh; with group= the "
-                "sequence is sharded contiguously (leave layout unset)"
-            )
         if layout not in (None, *LAYOUTS):
             raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
         cp = "context-parallel size" if mesh is None else "ulysses size"
@@ -116,7 +114,9 @@ class ContextParallelAttention(nn.Module):
             self.rounds = plan_rounds(num_heads, num_kv_heads, C, heads_per_stage)
         elif heads_per_stage is not None:
             raise ValueError("heads_per_stage applies to strategy='upipe' only")
-        self.group, self.mesh, self.layout = ulysses, mesh, layout or "zigzag"
+        # the sequence layout: of the group (1-D), or of the mesh's ring dim (2-D)
+        self.group, self.mesh = ulysses, mesh
+        self.layout = layout or ("contiguous" if mesh is None else "zigzag")
         self.strategy, self.heads_per_stage = strategy, heads_per_stage
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = (
             dim,
@@ -160,8 +160,10 @@ class ContextParallelAttention(nn.Module):
                 raise ValueError(
                     f"x has dtype {x.dtype} but the weights have {self.q_proj.weight.dtype}"
                 )
-            if self.mesh is not None:
-                C = torch.distributed.get_world_size(self.group)
+            C = torch.distributed.get_world_size(self.group)
+            if self.mesh is None:
+                check_layout(self.layout, x.shape[1], C)
+            else:
                 check_ring_layout(self.layout, C * x.shape[1], self.mesh["ring"].size(), C)
 
         def signature():
@@ -191,8 +193,9 @@ class ContextParallelAttention(nn.Module):
                 causal=self.causal,
                 backend=self.backend,
                 rope_interleaved=self.rope_interleaved,
+                layout=self.layout if self.mesh is None else "contiguous",
                 ring_group=self.ring_group,
-                layout=self.layout,
+                ring_layout=self.layout,
             )
         B, L, _ = x.shape
         rot = dict(interleaved=self.rope_interleaved)
@@ -201,7 +204,7 @@ class ContextParallelAttention(nn.Module):
         v = self.v_proj(x).view(B, L, -1, d)
         kw = dict(causal=self.causal, backend=self.backend)
         if self.mesh is None:
-            out = ulysses_attention(q, k, v, group=self.group, **kw)
+            out = ulysses_attention(q, k, v, group=self.group, layout=self.layout, **kw)
         else:
             out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
         return self.o_proj(out.flatten(2))

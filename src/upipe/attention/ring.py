@@ -36,8 +36,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from upipe.attention.common import save_for_backward, saved_for_backward, validate_qkv
-from upipe.comm import LAYOUTS, ring_send_recv
+from upipe.attention.common import (
+    check_layout,
+    save_for_backward,
+    saved_for_backward,
+    validate_qkv,
+)
+from upipe.comm import ring_send_recv
 from upipe.kernels import attention_backward, attention_forward
 
 _KV_TAG, _DKV_TAG = 0, 1  # the two exchanges of the backward run concurrently
@@ -158,17 +163,6 @@ class _RingAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-def _check_layout(layout, L, C):
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
-    if layout == "zigzag" and L % 2:
-        raise ValueError(
-            f"layout='zigzag' needs an even local sequence length (each rank holds two "
-            f"chunks of L/2 tokens), got {L}; pad the full sequence to a multiple "
-            f"of 2 * group size = {2 * C}, or use layout='contiguous'"
-        )
-
-
 def ring_attention(
     q, k, v, *, group, causal=True, softmax_scale=None, backend=None, layout="zigzag"
 ):
@@ -191,7 +185,7 @@ def ring_attention(
         backend=backend,
         replicate_kv=True,
         split_heads=False,  # heads stay whole on every rank
-        extra=lambda C: _check_layout(layout, q.shape[1], C),
+        extra=lambda C: check_layout(layout, q.shape[1], C),
         extra_signature={"layout": layout},
     )
     return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, layout)

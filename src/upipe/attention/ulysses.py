@@ -19,38 +19,43 @@ from __future__ import annotations
 
 import torch
 
-from upipe.attention.common import save_for_backward, saved_for_backward, validate_qkv
+from upipe.attention.common import (
+    check_layout,
+    save_for_backward,
+    saved_for_backward,
+    validate_qkv,
+)
 from upipe.attention.stage import StageAttention
-from upipe.comm import head_to_seq, seq_to_head
+from upipe.comm import HeadExchange
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, group, attn):
-    q_BShd, k_BSgd, v_BSgd = (seq_to_head(t, group) for t in (q_BLHd, k_BLGd, v_BLGd))
+def _forward(q_BLHd, k_BLGd, v_BLGd, ex, attn):
+    q_BShd, k_BSgd, v_BSgd = (ex.to_head(t) for t in (q_BLHd, k_BLGd, v_BLGd))
     out_BShd, lse_BhS = attn.forward(q_BShd, k_BSgd, v_BSgd)
-    return head_to_seq(out_BShd, group), [q_BShd, k_BSgd, v_BSgd, out_BShd, lse_BhS]
+    return ex.to_seq(out_BShd), [q_BShd, k_BSgd, v_BSgd, out_BShd, lse_BhS]
 
 
-def _backward(dout_BLHd, saved, group, attn):
+def _backward(dout_BLHd, saved, ex, attn):
     """`saved` is a list this function empties, so each buffer dies as soon as it is used."""
-    dout_BShd = seq_to_head(dout_BLHd, group)
+    dout_BShd = ex.to_head(dout_BLHd)
     grads_BS = list(attn.backward(dout_BShd, *saved))
     saved.clear()
     del dout_BShd
     grads_BL = []
     while grads_BS:  # convert dq, dk, dv one at a time, freeing each head-layout gradient
-        grads_BL.append(head_to_seq(grads_BS.pop(0), group))
+        grads_BL.append(ex.to_seq(grads_BS.pop(0)))
     return grads_BL
 
 
 class UlyssesFunction(torch.autograd.Function):
-    """Ulysses around any stage attention `attn` (stage.py): the local kernel here, ring
-    attention over the ring group in USP (usp.py)."""
+    """Ulysses (the exchange `ex`, `upipe.comm.HeadExchange`) around any stage attention
+    `attn` (stage.py): the local kernel here, ring attention over the ring group in USP."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, attn):
-        out, saved = _forward(q, k, v, group, attn)
+    def forward(ctx, q, k, v, ex, attn):
+        out, saved = _forward(q, k, v, ex, attn)
         save_for_backward(ctx, keep=(), free=saved)  # backward frees them one by one
-        ctx.args = (group, attn)
+        ctx.args = (ex, attn)
         return out
 
     @staticmethod
@@ -59,11 +64,15 @@ class UlyssesFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def ulysses_attention(q, k, v, *, group, causal=True, softmax_scale=None, backend=None):
-    """Attention over a sequence sharded contiguously across `group`.
+def ulysses_attention(
+    q, k, v, *, group, causal=True, softmax_scale=None, backend=None, layout="contiguous"
+):
+    """Attention over a sequence sharded across `group`.
 
-    q `[B, L, H, d]`, k/v `[B, L, G, d]`: rank r holds tokens r*L .. (r+1)*L-1. Returns
-    `[B, L, H, d]`, the rank's rows of full attention over all C*L tokens; differentiable
+    q `[B, L, H, d]`, k/v `[B, L, G, d]`: rank r holds tokens r*L .. (r+1)*L-1 (layout
+    "contiguous"), or chunks r and 2C-1-r of 2C ("zigzag", as ring attention; see
+    `upipe.comm.shard_sequence`). Returns `[B, L, H, d]`, the rank's rows of full attention
+    over all C*L tokens; differentiable
     w.r.t. q, k, v. Needs H and G divisible by the group size C (and G dividing H; query
     head h uses kv head h // (H / G)). `backend` selects the local kernel (see
     `upipe.kernels`); the default follows the device.
@@ -77,5 +86,8 @@ def ulysses_attention(q, k, v, *, group, causal=True, softmax_scale=None, backen
         softmax_scale=softmax_scale,
         backend=backend,
         replicate_kv=False,
+        extra=lambda C: check_layout(layout, q.shape[1], C),
+        extra_signature={"layout": layout},
     )
-    return UlyssesFunction.apply(q, k, v, group, StageAttention(causal, softmax_scale, backend))
+    ex, attn = HeadExchange(group, layout), StageAttention(causal, softmax_scale, backend)
+    return UlyssesFunction.apply(q, k, v, ex, attn)

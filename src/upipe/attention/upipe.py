@@ -29,10 +29,15 @@ from __future__ import annotations
 
 import torch
 
-from upipe.attention.common import check_ring_layout, resolve_groups, validate_qkv
+from upipe.attention.common import (
+    check_layout,
+    check_ring_layout,
+    resolve_groups,
+    validate_qkv,
+)
 from upipe.attention.schedule import check_heads_per_stage, plan_rounds
 from upipe.attention.stage import StageAttention
-from upipe.comm import head_to_seq, seq_to_head
+from upipe.comm import HeadExchange
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,25 +63,25 @@ def _index(heads, device):
     return torch.tensor(heads, dtype=torch.long, device=device)
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, group, attn):
+def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn):
     out_BLHd = torch.empty_like(q_BLHd)
     lse_list = []
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, q_BLHd.device)
-        k_BSkd = seq_to_head(_heads(k_BLGd, kv_idx), group)
-        v_BSkd = seq_to_head(_heads(v_BLGd, kv_idx), group)
+        k_BSkd = ex.to_head(_heads(k_BLGd, kv_idx))
+        v_BSkd = ex.to_head(_heads(v_BLGd, kv_idx))
         for stage in rnd.stages:
             q_idx = _index(stage, q_BLHd.device)
-            q_BSud = seq_to_head(_heads(q_BLHd, q_idx), group)
+            q_BSud = ex.to_head(_heads(q_BLHd, q_idx))
             out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
-            out_BLHd.index_copy_(2, q_idx, head_to_seq(out_BSud, group))
+            out_BLHd.index_copy_(2, q_idx, ex.to_seq(out_BSud))
             lse_list.append(lse_BuS)
         del k_BSkd, v_BSkd
     return out_BLHd, lse_list
 
 
-def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, group, attn):
+def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex, attn):
     dq_BLHd = torch.empty_like(q_BLHd)
     # kv gradients: each kv head comes back once, unless it is replicated (G < C): then its
     # replicas are summed, in fp32
@@ -89,13 +94,13 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, gro
     lse_iter = iter(lse_list)
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, q_BLHd.device)
-        k_BSkd = seq_to_head(_heads(k_BLGd, kv_idx), group)
-        v_BSkd = seq_to_head(_heads(v_BLGd, kv_idx), group)
+        k_BSkd = ex.to_head(_heads(k_BLGd, kv_idx))
+        v_BSkd = ex.to_head(_heads(v_BLGd, kv_idx))
         dk32_BSkd = dv32_BSkd = None
         for stage in rnd.stages:
             q_idx = _index(stage, q_BLHd.device)
             q_BSud, out_BSud, dout_BSud = (
-                seq_to_head(_heads(t, q_idx), group) for t in (q_BLHd, out_BLHd, dout_BLHd)
+                ex.to_head(_heads(t, q_idx)) for t in (q_BLHd, out_BLHd, dout_BLHd)
             )
             dq_BSud, dk_BSkd, dv_BSkd = attn.backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, next(lse_iter)
@@ -104,10 +109,10 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, gro
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            dq_BLHd.index_copy_(2, q_idx, head_to_seq(dq_BSud, group))
+            dq_BLHd.index_copy_(2, q_idx, ex.to_seq(dq_BSud))
         del k_BSkd, v_BSkd
         for d_BLGd, d32_BSkd in ((dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)):
-            d_BLkd = head_to_seq(d32_BSkd.to(k_BLGd.dtype), group)
+            d_BLkd = ex.to_seq(d32_BSkd.to(k_BLGd.dtype))
             if replicated:
                 d_BLGd.index_add_(2, kv_idx, d_BLkd)
             else:
@@ -119,11 +124,11 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, gro
 
 class _UPipeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rounds, group, attn):
-        out, lse_list = _forward(q, k, v, rounds, group, attn)
+    def forward(ctx, q, k, v, rounds, ex, attn):
+        out, lse_list = _forward(q, k, v, rounds, ex, attn)
         ctx.save_for_backward(q, k, v, out)
         ctx.lse_list = lse_list
-        ctx.args = (rounds, group, attn)
+        ctx.args = (rounds, ex, attn)
         return out
 
     @staticmethod
@@ -149,7 +154,8 @@ def upipe_attention(
     """Ulysses attention in stages of `heads_per_stage` heads; same contract and result.
 
     q `[B, L, H, d]`, k/v `[B, L, G, d]`; returns `[B, L, H, d]`. With `group` (C ranks) the
-    sequence is sharded contiguously (rank r holds tokens r*L .. (r+1)*L-1). With `mesh`
+    sequence is sharded in `layout`: "contiguous" (default; rank r holds tokens r*L ..
+    (r+1)*L-1) or "zigzag" (chunks r and 2C-1-r of 2C). With `mesh`
     (dims "ring" and "ulysses", see `upipe.make_mesh`) it is in the mesh layout of
     `upipe.comm` (`shard_sequence(x, mesh=mesh, layout=layout)`; `layout` is the ring dim's,
     default "zigzag"), the all-to-alls run over the ulysses dim (C = its size) and each
@@ -162,12 +168,10 @@ def upipe_attention(
 
     def extra(C):
         check_heads_per_stage(q.shape[2], k.shape[2], C, heads_per_stage)
-        if mesh is None and layout is not None:
-            raise ValueError(
-                f"layout={layout!r} applies to the ring dim of a mesh; with group= the "
-                "sequence is sharded contiguously (leave layout unset)"
-            )
-        check_ring_layout(layout or "zigzag", C * q.shape[1], R, C)
+        if mesh is None:
+            check_layout(layout or "contiguous", q.shape[1], C)
+        else:
+            check_ring_layout(layout or "zigzag", C * q.shape[1], R, C)
 
     validate_qkv(
         q,
@@ -185,5 +189,9 @@ def upipe_attention(
     H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(ulysses)
     U = check_heads_per_stage(H, G, C, heads_per_stage)
     rounds = plan_rounds(H, G, C, U)
-    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout or "zigzag")
-    return _UPipeAttention.apply(q, k, v, rounds, ulysses, attn)
+    kernel = (causal, softmax_scale, backend)
+    if mesh is None:  # the layout is the all-to-all's
+        ex, attn = HeadExchange(ulysses, layout or "contiguous"), StageAttention(*kernel)
+    else:  # the layout is the ring's; each ulysses group splits its part contiguously
+        ex, attn = HeadExchange(ulysses), StageAttention(*kernel, ring_group, layout or "zigzag")
+    return _UPipeAttention.apply(q, k, v, rounds, ex, attn)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from upipe.attention.common import check_ring_layout, resolve_groups, validate_qkv
 from upipe.attention.stage import StageAttention
 from upipe.attention.ulysses import UlyssesFunction
+from upipe.comm import HeadExchange
 from upipe.mesh import check_mesh
 
 
@@ -55,4 +56,4 @@ def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=Non
         agree=agree,
     )
     attn = StageAttention(causal, softmax_scale, backend, ring_group, layout)
-    return UlyssesFunction.apply(q, k, v, ulysses, attn)
+    return UlyssesFunction.apply(q, k, v, HeadExchange(ulysses), attn)
