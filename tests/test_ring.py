@@ -18,10 +18,9 @@ from ring_workers import (
     ring_work,
     run_ring,
 )
-from workers import make_qkv, reference
+from workers import make_qkv, reference, reference_and_one_device
 
 from upipe.comm import sequence_positions
-from upipe.kernels import attention_backward, attention_forward
 
 CASES = [  # (world_size, H, G, B); H need not be divisible by the world size
     (1, 4, 4, 2),
@@ -82,11 +81,7 @@ def test_ring_under_saved_tensor_hooks(clusters):
 def test_ring_bf16_as_good_as_one_device(clusters):
     shape = dict(B=1, S=128, H=8, G=4, d=16)
     res = clusters(4).run(run_ring, shape, {"layout": "zigzag"}, torch.bfloat16)
-    q, k, v, dout = make_qkv(**shape)
-    ref = reference(q, k, v, dout)
-    qb, kb, vb, db = (t.bfloat16() for t in (q, k, v, dout))
-    out, lse = attention_forward(qb, kb, vb)
-    single = (out, *attention_backward(db, qb, kb, vb, out, lse))
+    ref, single = reference_and_one_device(shape, torch.bfloat16)
     for rank, (pos, got) in enumerate(res):
         for name, a, s, r in zip(NAMES, got, single, ref, strict=True):
             bound = bf16_bound(rel_err(s[:, pos], r[:, pos]))

@@ -3,9 +3,7 @@
 import pytest
 import torch
 from conftest import TOL, bf16_bound, rel_err
-from workers import make_qkv, reference, run_functional
-
-from upipe.kernels import attention_backward, attention_forward
+from workers import make_qkv, reference, reference_and_one_device, run_functional
 
 CASES = [  # (world_size, H, G, B)
     (1, 4, 4, 1),
@@ -42,13 +40,10 @@ def test_ulysses_softmax_scale(clusters):
     assert max(rel_err(a, r) for a, r in zip(got, ref, strict=True)) < 1e-5
 
 
-def test_ulysses_bf16_as_good_as_one_device(clusters):
+@pytest.mark.parametrize("strategy", ["ulysses", "upipe"])
+def test_bf16_as_good_as_one_device(clusters, strategy):
     shape = dict(B=1, S=128, H=8, G=4, d=16)
-    got = gather(clusters(4).run(run_functional, "ulysses", shape, {}, torch.bfloat16))
-    q, k, v, dout = make_qkv(**shape)
-    ref = reference(q, k, v, dout)
-    qb, kb, vb, db = (t.bfloat16() for t in (q, k, v, dout))
-    out, lse = attention_forward(qb, kb, vb)
-    single = (out, *attention_backward(db, qb, kb, vb, out, lse))
+    got = gather(clusters(4).run(run_functional, strategy, shape, {}, torch.bfloat16))
+    ref, single = reference_and_one_device(shape, torch.bfloat16)
     for a, s, r in zip(got, single, ref, strict=True):
         assert rel_err(a, r) <= bf16_bound(rel_err(s, r))

@@ -223,3 +223,14 @@ def run_module_layout(rank, world_size, cfg, kwargs, layout):
     grads = {n: getattr(layer, n).weight.grad.double() for n in ("q_proj", "o_proj")}
     gather = lambda t: upipe.unshard_sequence(t, group=group, layout=layout)  # noqa: E731
     return {"y": gather(y.detach().double()), "dx": gather(xs.grad.double()), **grads}
+
+
+def reference_and_one_device(shape, dtype, *, causal=True):
+    """(float64 truth, the same attention on one device in `dtype`) for the bf16 bounds."""
+    from upipe.kernels import attention_backward, attention_forward
+
+    q, k, v, dout = make_qkv(**shape)
+    ref = reference(q, k, v, dout, causal=causal)
+    qb, kb, vb, db = (t.to(dtype) for t in (q, k, v, dout))
+    out, lse = attention_forward(qb, kb, vb, causal=causal)
+    return ref, (out, *attention_backward(db, qb, kb, vb, out, lse, causal=causal))
