@@ -193,3 +193,26 @@ def test_module_zigzag_layout_on_a_group(clusters, strategy):
     assert rel_err(res[0]["y"], ref["y"]) < FWD
     assert rel_err(res[0]["dx"], ref["dx"]) < BWD
     assert rel_err(sum(r["q_proj"] for r in res), ref["q_proj"]) < BWD
+
+
+@pytest.mark.parametrize(
+    "world_size,H,G,strategy,U",
+    [
+        (1, 4, 2, "upipe", 1),
+        (2, 8, 2, "upipe", 2),
+        (4, 8, 2, "upipe", 4),
+        (4, 8, 4, "upipe", 8),
+        (4, 8, 1, "upipe", 4),
+        (2, 8, 2, "ulysses", None),
+    ],
+)
+def test_module_qk_norm(clusters, world_size, H, G, strategy, U):
+    """QK-norm (Qwen3) inside the fused stage, recomputed in backward, incl. its weights."""
+    cfg = dict(B=2, S=16 * world_size, dim=32, num_heads=H, num_kv_heads=G, head_dim=8)
+    kwargs = {"strategy": strategy, "heads_per_stage": U, "qk_norm": True}
+    res = clusters(world_size).run(run_module, cfg, kwargs)
+    ref = module_reference(cfg, qk_norm=True)
+    assert rel_err(torch.cat([r["y"] for r in res], 1), ref["y"]) < FWD
+    assert rel_err(torch.cat([r["dx"] for r in res], 1), ref["dx"]) < BWD
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        assert rel_err(sum(r[name] for r in res), ref[name]) < BWD, name

@@ -107,7 +107,7 @@ def make_module_inputs(*, B, S, dim, seed=0, dtype=torch.float32, **_):
     return x.to(dtype), dy.to(dtype), pos
 
 
-def make_weights(cfg, seed=0, dtype=torch.float32):
+def make_weights(cfg, seed=0, dtype=torch.float32, qk_norm=False):
     gen = torch.Generator().manual_seed(seed)
     D, H, G = cfg["dim"], cfg["num_heads"], cfg["num_kv_heads"]
     d = cfg.get("head_dim") or D // H
@@ -117,21 +117,32 @@ def make_weights(cfg, seed=0, dtype=torch.float32):
         "v_proj": (G * d, D),
         "o_proj": (D, H * d),
     }
-    return {n: (torch.randn(s, generator=gen) / D**0.5).to(dtype) for n, s in shapes.items()}
+    w = {n: (torch.randn(s, generator=gen) / D**0.5).to(dtype) for n, s in shapes.items()}
+    if qk_norm:  # norm weights away from 1, so that their gradients are tested
+        w.update({n: (1 + 0.5 * torch.randn(d, generator=gen)).to(dtype) for n in NORMS})
+    return w
 
 
-def module_reference(cfg, *, causal=True, interleaved=False, theta=10000.0):
+NORMS = ("q_norm", "k_norm")
+
+
+def module_reference(cfg, *, causal=True, interleaved=False, theta=10000.0, qk_norm=False):
     """y, dx and the weight gradients of the attention layer on the full sequence, in fp64."""
     from upipe.rope import apply_rope, rope_cos_sin
 
     x, dy, pos = make_module_inputs(**cfg, dtype=torch.float64)
-    w = {n: t.double().requires_grad_() for n, t in make_weights(cfg, dtype=torch.float64).items()}
+    weights = make_weights(cfg, dtype=torch.float64, qk_norm=qk_norm)
+    w = {n: t.double().requires_grad_() for n, t in weights.items()}
     x.requires_grad_()
     B, S, _ = x.shape
     d = cfg.get("head_dim") or cfg["dim"] // cfg["num_heads"]
     cos, sin = rope_cos_sin(pos, d, theta=theta, interleaved=interleaved, dtype=torch.float64)
-    q = apply_rope((x @ w["q_proj"].t()).view(B, S, -1, d), cos, sin, interleaved=interleaved)
-    k = apply_rope((x @ w["k_proj"].t()).view(B, S, -1, d), cos, sin, interleaved=interleaved)
+    q, k = (x @ w["q_proj"].t()).view(B, S, -1, d), (x @ w["k_proj"].t()).view(B, S, -1, d)
+    if qk_norm:  # RMSNorm over each head's d features, written out
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * w["q_norm"]
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * w["k_norm"]
+    q = apply_rope(q, cos, sin, interleaved=interleaved)
+    k = apply_rope(k, cos, sin, interleaved=interleaved)
     v = (x @ w["v_proj"].t()).view(B, S, -1, d)
     y = attention_autograd(q, k, v, causal=causal).flatten(2) @ w["o_proj"].t()
     y.backward(dy)
@@ -148,15 +159,15 @@ def run_module(rank, world_size, cfg, kwargs, dtype=torch.float32):
     layer = upipe.ContextParallelAttention(
         *(cfg.get(a) for a in MODULE_ARGS), group=group, dtype=dtype, **kwargs
     )
+    qk_norm = kwargs.get("qk_norm", False)
     with torch.no_grad():
-        for n, t in make_weights(cfg, dtype=dtype).items():
+        for n, t in make_weights(cfg, dtype=dtype, qk_norm=qk_norm).items():
             getattr(layer, n).weight.copy_(t)
     xs = upipe.shard_sequence(x, group=group).requires_grad_()
     y = layer(xs, upipe.shard_sequence(pos, group=group))
     y.backward(upipe.shard_sequence(dy, group=group))
-    grads = {
-        n: getattr(layer, n).weight.grad.double() for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-    }
+    names = ("q_proj", "k_proj", "v_proj", "o_proj") + (NORMS if qk_norm else ())
+    grads = {n: getattr(layer, n).weight.grad.double() for n in names}
     return {"y": y.detach().double(), "dx": xs.grad.double(), **grads}
 
 

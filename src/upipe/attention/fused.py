@@ -5,8 +5,9 @@ H query heads, G kv heads, U heads per stage, u = U / C query heads per rank per
 n = C * k heads in a round's kv exchange, d head dim, C group size.
 
 Per round (kv heads `kv_idx`) and stage (query heads `q_idx`), on each rank:
-    k_BLnd = rope(x W_k[kv_idx]^T),  v_BLnd = x W_v[kv_idx]^T  --seq_to_head-->  k_BSkd, v_BSkd
-    q_BLUd = rope(x W_q[q_idx]^T)    --seq_to_head-->  q_BSud
+    k_BLnd = rope(norm_k(x W_k[kv_idx]^T)),  v_BLnd = x W_v[kv_idx]^T  --seq_to_head-->  k, v
+    q_BLUd = rope(norm_q(x W_q[q_idx]^T))    --seq_to_head-->  q_BSud
+(norm_q/norm_k: the optional QK-norm, RMSNorm over each head's d features; identity without)
     out_BSud, lse = attention(q_BSud, k_BSkd, v_BSkd)  --head_to_seq-->  out_BLUd
     y += out_BLUd W_o[:, q_idx]^T                       (fp32 accumulator)
 so full-head q/k/v never exist and o_proj needs no full-width input. Saved: x, the weights,
@@ -25,7 +26,10 @@ Parameter gradients are this rank's contribution (their sum over ranks is the fu
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 from upipe.attention.common import save_for_backward, saved_for_backward
 from upipe.attention.stage import StageAttention
@@ -86,22 +90,48 @@ class _DxAccumulator:
         return self.dx32_ND
 
 
-def _heads_of(x_ND, w_rows, B, L, d, rope=None):
-    """x @ w_rows^T as [B, L, n, d], rotated if `rope` = (cos, sin, interleaved) is given."""
+@dataclasses.dataclass(frozen=True)
+class _Prep:
+    """What happens to projected q or k heads before the exchange: RMSNorm over d with
+    weight `norm_w` (QK-norm, as in Qwen3; skipped when None), then RoPE."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    norm_w: torch.Tensor | None = None
+    eps: float = 1e-6
+
+    def __call__(self, t_BLnd):
+        if self.norm_w is not None:
+            t_BLnd = F.rms_norm(t_BLnd, (t_BLnd.shape[-1],), self.norm_w, self.eps)
+        return apply_rope(t_BLnd, self.cos, self.sin, interleaved=self.interleaved)
+
+    def backward(self, g_BLnd, x_ND, w_ndD, idx):
+        """(gradient w.r.t. the projection x w[idx]^T, gradient of norm_w or None) from the
+        gradient w.r.t. this prep's output; the norm's input x w[idx]^T is recomputed."""
+        g_BLnd = apply_rope_backward(g_BLnd, self.cos, self.sin, interleaved=self.interleaved)
+        if self.norm_w is None:
+            return g_BLnd, None
+        with torch.enable_grad():  # the norm's backward, by autograd on the recomputed input
+            t_BLnd = (x_ND @ _rows(w_ndD, idx).t()).view_as(g_BLnd).requires_grad_()
+            w = self.norm_w.detach().requires_grad_()
+            y_BLnd = F.rms_norm(t_BLnd, (t_BLnd.shape[-1],), w, self.eps)
+            return torch.autograd.grad(y_BLnd, (t_BLnd, w), g_BLnd)
+
+
+def _heads_of(x_ND, w_rows, B, L, d, prep=None):
+    """x @ w_rows^T as [B, L, n, d], through `prep` (QK-norm, RoPE) if given."""
     t_BLnd = (x_ND @ w_rows.t()).view(B, L, -1, d)
-    if rope is None:
-        return t_BLnd
-    cos, sin, interleaved = rope
-    return apply_rope(t_BLnd, cos, sin, interleaved=interleaved)
+    return t_BLnd if prep is None else prep(t_BLnd)
 
 
-def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, rope, ex):
-    k_BSkd = ex.to_head(_heads_of(x_ND, wk_rows, B, L, d, rope))
+def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, k_prep, ex):
+    k_BSkd = ex.to_head(_heads_of(x_ND, wk_rows, B, L, d, k_prep))
     v_BSkd = ex.to_head(_heads_of(x_ND, wv_rows, B, L, d))
     return k_BSkd, v_BSkd
 
 
-def _forward(x, wq, wk, wv, wo, rope, rounds, d, ex, attn):
+def _forward(x, wq, wk, wv, wo, q_prep, k_prep, rounds, d, ex, attn):
     """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse."""
     B, L, D = x.shape
     x_ND = x.reshape(B * L, D)
@@ -112,11 +142,11 @@ def _forward(x, wq, wk, wv, wo, rope, rounds, d, ex, attn):
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
         k_BSkd, v_BSkd = _kv_round(
-            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, ex
+            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, k_prep, ex
         )
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
-            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope))
+            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, q_prep))
             out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             out_BLUd = ex.to_seq(out_BSud)
@@ -128,8 +158,9 @@ def _forward(x, wq, wk, wv, wo, rope, rounds, d, ex, attn):
     return y32_ND.view(B, L, D).to(x.dtype), out_slices, lse_list
 
 
-def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, ex, attn):
-    """Gradients (dx, dwq, dwk, dwv, dwo). Empties `out_slices` and `lse_list` as it goes.
+def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, rounds, d, ex, attn):
+    """Gradients (dx, dwq, dwk, dwv, dwo, d q_norm, d k_norm), the last two None without
+    QK-norm. Empties `out_slices` and `lse_list` as it goes.
 
     Memory: each stage's saved output is freed once its stage is done, and the projection
     gradients dq (and per round dk, dv) wait in the sequence layout until they are as big as
@@ -145,15 +176,16 @@ def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, ex, 
     dwk32_GdD = torch.zeros(wk_GdD.shape, dtype=acc_dtype(x.dtype), device=x.device)
     dwv32_GdD = torch.zeros_like(dwk32_GdD)
     dx = _DxAccumulator(B * L, D, x.dtype, x.device)
+    dnorm32 = {"q": None, "k": None}  # QK-norm weight gradients, summed over heads in fp32
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
         k_BSkd, v_BSkd = _kv_round(
-            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, rope, ex
+            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, k_prep, ex
         )
         dk32_BSkd = dv32_BSkd = None
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
-            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, rope))
+            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, q_prep))
             out_BLUd = out_slices.pop(0)
             wo_cols = wo_DHd.index_select(1, q_idx).flatten(1)  # [D, U*d]
             dout_BLUd = (dy_ND @ wo_cols).view(B, L, -1, d)
@@ -171,19 +203,21 @@ def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, ex, 
             del dk_BSkd, dv_BSkd
             dq_BLUd = ex.to_seq(dq_BSud)
             del dq_BSud
-            dq_BLUd = apply_rope_backward(dq_BLUd, rope[0], rope[1], interleaved=rope[2])
+            dq_BLUd, dnorm = q_prep.backward(dq_BLUd, x_ND, wq_HdD, q_idx)
+            dnorm32["q"] = _add_norm_grad(dnorm32["q"], dnorm)
             dq_NUd = dq_BLUd.view(B * L, -1)
             dwq_HdD.index_copy_(0, q_idx, (dq_NUd.t() @ x_ND).view(-1, d, D))
             dx.add(dq_NUd, wq_HdD, q_idx)
             del dq_BLUd, dq_NUd
         del k_BSkd, v_BSkd
-        for d32_BSkd, w_GdD, dw32_GdD, rotated in (
-            (dk32_BSkd, wk_GdD, dwk32_GdD, True),
-            (dv32_BSkd, wv_GdD, dwv32_GdD, False),
+        for d32_BSkd, w_GdD, dw32_GdD, prep in (
+            (dk32_BSkd, wk_GdD, dwk32_GdD, k_prep),
+            (dv32_BSkd, wv_GdD, dwv32_GdD, None),
         ):
             g_BLnd = ex.to_seq(d32_BSkd.to(x.dtype))
-            if rotated:
-                g_BLnd = apply_rope_backward(g_BLnd, rope[0], rope[1], interleaved=rope[2])
+            if prep is not None:
+                g_BLnd, dnorm = prep.backward(g_BLnd, x_ND, w_GdD, kv_idx)
+                dnorm32["k"] = _add_norm_grad(dnorm32["k"], dnorm)
             g_Nn = g_BLnd.view(B * L, -1)
             dw32_GdD.index_add_(0, kv_idx, (g_Nn.t() @ x_ND).view(-1, d, D).to(dw32_GdD.dtype))
             dx.add(g_Nn, w_GdD, kv_idx)
@@ -196,23 +230,32 @@ def _backward(dy, x, wq, wk, wv, wo, rope, out_slices, lse_list, rounds, d, ex, 
         dwk32_GdD.to(wk.dtype).view_as(wk),
         dwv32_GdD.to(wv.dtype).view_as(wv),
         dwo_DHd.view_as(wo),
+        *(None if g is None else g.to(wq.dtype) for g in (dnorm32["q"], dnorm32["k"])),
     )
+
+
+def _add_norm_grad(acc32, g):
+    return None if g is None else accumulate(acc32, g)
 
 
 class _FusedUPipe(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, cos, sin, interleaved, rounds, d, ex, attn):
-        rope = (cos, sin, interleaved)
-        y, out_slices, lse_list = _forward(x, wq, wk, wv, wo, rope, rounds, d, ex, attn)
+    def forward(
+        ctx, x, wq, wk, wv, wo, q_norm, k_norm, cos, sin, interleaved, eps, rounds, d, ex, attn
+    ):
+        q_prep = _Prep(cos, sin, interleaved, q_norm, eps)
+        k_prep = _Prep(cos, sin, interleaved, k_norm, eps)
+        y, out_slices, lse_list = _forward(x, wq, wk, wv, wo, q_prep, k_prep, rounds, d, ex, attn)
         # backward frees the stage outputs and lse stage by stage
-        save_for_backward(ctx, keep=(x, wq, wk, wv, wo, cos, sin), free=out_slices + lse_list)
-        ctx.args = (interleaved, rounds, d, ex, attn)
+        keep = (x, wq, wk, wv, wo, q_norm, k_norm, cos, sin)
+        save_for_backward(ctx, keep=keep, free=out_slices + lse_list)
+        ctx.args = (interleaved, eps, rounds, d, ex, attn)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x, wq, wk, wv, wo, cos, sin), stashed = saved_for_backward(ctx)
-        interleaved, rounds, d, ex, attn = ctx.args
+        (x, wq, wk, wv, wo, q_norm, k_norm, cos, sin), stashed = saved_for_backward(ctx)
+        interleaved, eps, rounds, d, ex, attn = ctx.args
         n = len(stashed) // 2
         out_slices, lse_list = stashed[:n], stashed[n:]
         del stashed
@@ -223,7 +266,8 @@ class _FusedUPipe(torch.autograd.Function):
             wk,
             wv,
             wo,
-            (cos, sin, interleaved),
+            _Prep(cos, sin, interleaved, q_norm, eps),
+            _Prep(cos, sin, interleaved, k_norm, eps),
             out_slices,
             lse_list,
             rounds,
@@ -231,7 +275,8 @@ class _FusedUPipe(torch.autograd.Function):
             ex,
             attn,
         )
-        return (*grads, *([None] * 7))
+        dx, dwq, dwk, dwv, dwo, dqn, dkn = grads
+        return (dx, dwq, dwk, dwv, dwo, dqn, dkn, *([None] * 8))
 
 
 def fused_upipe_attention(
@@ -250,6 +295,9 @@ def fused_upipe_attention(
     softmax_scale=None,
     backend=None,
     rope_interleaved=False,
+    q_norm=None,
+    k_norm=None,
+    norm_eps=1e-6,
     layout="contiguous",
     ring_group=None,
     ring_layout="zigzag",
@@ -258,7 +306,9 @@ def fused_upipe_attention(
 
     x `[B, L, D]` (this rank's shard), weights in `torch.nn.Linear` layout (wq `[H*d, D]`,
     wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's global positions,
-    `rounds` from `upipe.attention.schedule.plan_rounds`. The all-to-alls run over `group`
+    `rounds` from `upipe.attention.schedule.plan_rounds`. `q_norm`/`k_norm` (weights `[d]`):
+    QK-norm, RMSNorm of each projected head before RoPE (Qwen3), recomputed in backward.
+    The all-to-alls run over `group`
     for a sequence sharded in `layout`; with `ring_group` (a 2-D mesh: x in the mesh layout
     of `upipe.comm`, contiguous within the ulysses group, `ring_layout` across the ring) each
     stage's attention is ring attention over it. Inputs are not validated here:
@@ -267,5 +317,19 @@ def fused_upipe_attention(
     ex = HeadExchange(group, layout)
     attn = StageAttention(causal, softmax_scale, backend, ring_group, ring_layout)
     return _FusedUPipe.apply(
-        x, wq, wk, wv, wo, cos, sin, rope_interleaved, rounds, head_dim, ex, attn
+        x,
+        wq,
+        wk,
+        wv,
+        wo,
+        q_norm,
+        k_norm,
+        cos,
+        sin,
+        rope_interleaved,
+        norm_eps,
+        rounds,
+        head_dim,
+        ex,
+        attn,
     )

@@ -65,6 +65,8 @@ class ContextParallelAttention(nn.Module):
         heads_per_stage: int | None = None,
         rope_theta: float = 10000.0,
         rope_interleaved: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         causal: bool = True,
         backend: str | None = None,
         device=None,
@@ -131,6 +133,14 @@ class ContextParallelAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, **kw)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, dim, **kw)
+        # QK-norm (Qwen3): RMSNorm over each head's d features of q and k, before RoPE
+        self.norm_eps = norm_eps
+        self.q_norm = (
+            nn.RMSNorm(head_dim, eps=norm_eps, device=device, dtype=dtype) if qk_norm else None
+        )
+        self.k_norm = (
+            nn.RMSNorm(head_dim, eps=norm_eps, device=device, dtype=dtype) if qk_norm else None
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -193,14 +203,19 @@ class ContextParallelAttention(nn.Module):
                 causal=self.causal,
                 backend=self.backend,
                 rope_interleaved=self.rope_interleaved,
+                q_norm=None if self.q_norm is None else self.q_norm.weight,
+                k_norm=None if self.k_norm is None else self.k_norm.weight,
+                norm_eps=self.norm_eps,
                 layout=self.layout if self.mesh is None else "contiguous",
                 ring_group=self.ring_group,
                 ring_layout=self.layout,
             )
         B, L, _ = x.shape
         rot = dict(interleaved=self.rope_interleaved)
-        q = apply_rope(self.q_proj(x).view(B, L, -1, d), cos, sin, **rot)
-        k = apply_rope(self.k_proj(x).view(B, L, -1, d), cos, sin, **rot)
+        q, k = self.q_proj(x).view(B, L, -1, d), self.k_proj(x).view(B, L, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
         kw = dict(causal=self.causal, backend=self.backend)
         if self.mesh is None:
