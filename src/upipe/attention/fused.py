@@ -210,11 +210,13 @@ def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, round
             dx.add(dq_NUd, wq_HdD, q_idx)
             del dq_BLUd, dq_NUd
         del k_BSkd, v_BSkd
-        for d32_BSkd, w_GdD, dw32_GdD, prep in (
-            (dk32_BSkd, wk_GdD, dwk32_GdD, k_prep),
-            (dv32_BSkd, wv_GdD, dwv32_GdD, None),
-        ):
+        # the round's dk, dv go back once; each sum is freed as soon as it is sent
+        kv_sums = [(dk32_BSkd, wk_GdD, dwk32_GdD, k_prep), (dv32_BSkd, wv_GdD, dwv32_GdD, None)]
+        del dk32_BSkd, dv32_BSkd
+        while kv_sums:
+            d32_BSkd, w_GdD, dw32_GdD, prep = kv_sums.pop(0)
             g_BLnd = ex.to_seq(d32_BSkd.to(x.dtype))
+            del d32_BSkd
             if prep is not None:
                 g_BLnd, dnorm = prep.backward(g_BLnd, x_ND, w_GdD, kv_idx)
                 dnorm32["k"] = _add_norm_grad(dnorm32["k"], dnorm)
@@ -222,7 +224,6 @@ def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, round
             dw32_GdD.index_add_(0, kv_idx, (g_Nn.t() @ x_ND).view(-1, d, D).to(dw32_GdD.dtype))
             dx.add(g_Nn, w_GdD, kv_idx)
             del g_BLnd, g_Nn
-        del dk32_BSkd, dv32_BSkd
         dx.end_round()
     return (
         dx.result().view(B, L, D).to(x.dtype),

@@ -111,14 +111,18 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
             del dk_BSkd, dv_BSkd
             dq_BLHd.index_copy_(2, q_idx, ex.to_seq(dq_BSud))
         del k_BSkd, v_BSkd
-        for d_BLGd, d32_BSkd in ((dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)):
+        # the round's dk, dv go back once; each sum is freed as soon as it is sent
+        kv_sums = [(dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)]
+        del dk32_BSkd, dv32_BSkd
+        while kv_sums:
+            d_BLGd, d32_BSkd = kv_sums.pop(0)
             d_BLkd = ex.to_seq(d32_BSkd.to(k_BLGd.dtype))
+            del d32_BSkd
             if replicated:
                 d_BLGd.index_add_(2, kv_idx, d_BLkd)
             else:
                 d_BLGd.index_copy_(2, kv_idx, d_BLkd)
             del d_BLkd
-        del dk32_BSkd, dv32_BSkd
     return dq_BLHd, dk_BLGd.to(k_BLGd.dtype), dv_BLGd.to(v_BLGd.dtype)
 
 
