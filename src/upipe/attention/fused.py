@@ -85,9 +85,24 @@ class _DxAccumulator:
             del g_Nn
         self.waiting_bytes = 0
 
-    def result(self):
-        self._fold()
-        return self.dx32_ND
+    def result(self, dtype, row_chunks=8):
+        """dx in `dtype`. If no part was folded yet (bf16: the parts never reach the size of
+        an fp32 dx), dx is built in row chunks, each summed over all parts in fp32, so no
+        full fp32 buffer is needed."""
+        if self.dx32_ND is not None or not self.waiting:
+            self._fold()
+            return self.dx32_ND.to(dtype)
+        N, D = self.shape
+        dx_ND = torch.empty(N, D, dtype=dtype, device=self.device)
+        step = -(-N // row_chunks)
+        for r0 in range(0, N, step):
+            acc32 = torch.zeros(min(step, N - r0), D, dtype=self.dtype, device=self.device)
+            for g_Nn, w_ndD, idx in self.waiting:
+                _addmm_(acc32, g_Nn[r0 : r0 + step], _rows(w_ndD, idx))
+            dx_ND[r0 : r0 + step] = acc32
+            del acc32
+        self.waiting, self.waiting_bytes = [], 0
+        return dx_ND
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +241,7 @@ def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, round
             del g_BLnd, g_Nn
         dx.end_round()
     return (
-        dx.result().view(B, L, D).to(x.dtype),
+        dx.result(x.dtype).view(B, L, D),
         dwq_HdD.view_as(wq),
         dwk32_GdD.to(wk.dtype).view_as(wk),
         dwv32_GdD.to(wv.dtype).view_as(wv),
