@@ -11,9 +11,12 @@ import re
 import pytest
 import torch
 from conftest import TOL, rel_err
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from usp_workers import (
     make_mesh_errors,
     mesh_call_errors,
+    mesh_functional_or_error,
     mesh_layout,
     mesh_replica_errors,
     run_mesh_functional,
@@ -21,6 +24,7 @@ from usp_workers import (
 )
 from workers import make_qkv, module_reference, reference
 
+from upipe.attention.schedule import valid_heads_per_stage
 from upipe.comm import sequence_positions
 
 FWD, BWD = TOL[torch.float32]["fwd"], TOL[torch.float32]["bwd"]
@@ -212,3 +216,30 @@ def test_validation_spans_the_whole_mesh(clusters):
         assert err == "ValueError" and "query heads (3)" in msg
         if rank != 3:
             assert "rank 3 of the group rejected its input" in msg
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dims=st.sampled_from([MESH_2x2, MESH_U4, MESH_R4]),
+    H=st.sampled_from([2, 3, 4, 6, 8]),
+    G=st.sampled_from([1, 2, 3, 4, 8]),
+    U=st.one_of(st.none(), st.integers(1, 8)),
+    L=st.sampled_from([2, 4, 6]),
+    causal=st.booleans(),
+)
+def test_property_upipe_on_mesh(clusters, dims, H, G, U, L, causal):
+    """Every drawn 2-D config computes the right rows on every rank or raises the same
+    ValueError on all of them."""
+    _, R, C = dims
+    shape = dict(B=1, S=R * C * L, H=H, G=G, d=4)
+    kwargs = {"heads_per_stage": U, "causal": causal}
+    res = clusters(4).run(mesh_functional_or_error, dims, "upipe", shape, kwargs)
+    valid = H % G == 0 and H % C == 0 and (G % C == 0 or C % G == 0)
+    valid = valid and (U or C) in valid_heads_per_stage(H, G, C)
+    if not valid:
+        assert all(isinstance(r[0], str) and r[0] == "ValueError" for r in res), res
+        assert len({r[1] for r in res}) == 1  # the same message on every rank
+        return
+    check_rows(res, [reference(*make_qkv(**shape), causal=causal)])

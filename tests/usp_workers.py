@@ -166,3 +166,11 @@ def mesh_replica_errors(rank, world_size):
         "replicas differ": _error(lambda: upipe.usp_attention(t, t, t, mesh=mesh)),
         "one replica bad": _error(lambda: upipe.usp_attention(bad, bad, bad, mesh=mesh)),
     }
+
+
+def mesh_functional_or_error(rank, world_size, dims, strategy, shape, kwargs):
+    """run_mesh_functional, or (error type name, message) for a TypeError/ValueError."""
+    try:
+        return run_mesh_functional(rank, world_size, dims, strategy, shape, kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
