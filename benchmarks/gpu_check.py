@@ -64,6 +64,7 @@ def check_kernels(device):
                 for G in (8, 2):
                     q, k, v, dout = _qkv(2, 512, 8, G, 64, dtype, device)
                     ref = _reference(q, k, v, dout, causal)
+                    case = dict(backend=backend, dtype=str(dtype), causal=causal, G=G)
                     try:
                         out, lse = attention_forward(q, k, v, causal=causal, backend=backend)
                         grads = attention_backward(
@@ -73,26 +74,11 @@ def check_kernels(device):
                             rel_err(a.cpu(), r) for a, r in zip((out, *grads), ref, strict=True)
                         ]
                         rows.append(
-                            dict(
-                                backend=backend,
-                                dtype=str(dtype),
-                                causal=causal,
-                                G=G,
-                                err_out=errs[0],
-                                err_grads=max(errs[1:]),
-                                ok=True,
-                            )
+                            {**case, "ok": True, "err_out": errs[0], "err_grads": max(errs[1:])}
                         )
                     except Exception as e:  # report, don't stop: this is the check
                         rows.append(
-                            dict(
-                                backend=backend,
-                                dtype=str(dtype),
-                                causal=causal,
-                                G=G,
-                                ok=False,
-                                error=f"{type(e).__name__}: {e}"[:300],
-                            )
+                            {**case, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
                         )
     return rows
 

@@ -70,8 +70,9 @@ def _check(q, k, v, causal, backend):
         )
 
 
-def _lse_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype for lse and for sums of partial results: fp32, or the input's when wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _scale(softmax_scale, d):
@@ -165,7 +166,7 @@ def _reference_forward(q, k, v, causal, scale):
     lse_BHS = torch.logsumexp(s_BHSS, dim=-1)
     p_BHSS = torch.exp(s_BHSS - lse_BHS[..., None])
     out = torch.einsum("bhst,bthd->bshd", p_BHSS, _expand_kv(v, q.shape[2]).double())
-    return out.to(q.dtype), lse_BHS.to(_lse_dtype(q.dtype))
+    return out.to(q.dtype), lse_BHS.to(acc_dtype(q.dtype))
 
 
 def _reference_backward(dout, q, k, v, out, lse, causal, scale):

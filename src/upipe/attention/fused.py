@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 from upipe.attention.common import save_for_backward, saved_for_backward
 from upipe.attention.stage import StageAttention
-from upipe.attention.upipe import acc_dtype, accumulate
+from upipe.attention.upipe import accumulate
 from upipe.comm import HeadExchange
+from upipe.kernels import acc_dtype
 from upipe.rope import apply_rope, apply_rope_backward
 
 

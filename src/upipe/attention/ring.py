@@ -43,7 +43,7 @@ from upipe.attention.common import (
     validate_qkv,
 )
 from upipe.comm import ring_send_recv
-from upipe.kernels import attention_backward, attention_forward
+from upipe.kernels import acc_dtype, attention_backward, attention_forward
 
 _KV_TAG, _DKV_TAG = 0, 1  # the two exchanges of the backward run concurrently
 
@@ -62,10 +62,6 @@ def _block(layout, causal, rank, src, L):
     return slice(L // 2, L), full, False
 
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
     """In place: (out, lse) <- the softmax-weighted combination of (out, lse) and the part."""
     new_BHL = torch.logaddexp(lse_BHL, part_lse_BHL)
@@ -77,7 +73,7 @@ def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
 
 def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout):
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
-    acc = _acc_dtype(q_BLHd.dtype)
+    acc = acc_dtype(q_BLHd.dtype)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     out_BLHd = lse_BHL = None
     for i in range(C):
@@ -107,7 +103,7 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout):
 def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args):
     group, causal, scale, backend, layout = args
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
-    acc = _acc_dtype(q_BLHd.dtype)
+    acc = acc_dtype(q_BLHd.dtype)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     dq_BLHd = torch.zeros(q_BLHd.shape, dtype=acc, device=q_BLHd.device)
     dkv_2BLGd = dkv_pending = None

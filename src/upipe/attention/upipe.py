@@ -38,11 +38,7 @@ from upipe.attention.common import (
 from upipe.attention.schedule import check_heads_per_stage, plan_rounds
 from upipe.attention.stage import StageAttention
 from upipe.comm import HeadExchange
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: fp32, or the input's dtype when wider (fp64)."""
-    return torch.promote_types(dtype, torch.float32)
+from upipe.kernels import acc_dtype
 
 
 def accumulate(acc, t):
