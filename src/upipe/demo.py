@@ -133,6 +133,57 @@ def format_table(rows, cfg: DemoConfig) -> str:
     return "\n".join(lines)
 
 
+def validate(cfg: DemoConfig) -> str | None:
+    """The first problem with `cfg` as a one-line message naming the fix, or None."""
+    if cfg.nproc < 1:
+        return f"--nproc must be >= 1, got {cfg.nproc}"
+    if cfg.seq_len % cfg.nproc:
+        return (
+            f"--seq-len {cfg.seq_len} must be divisible by --nproc {cfg.nproc}; "
+            f"try {cfg.seq_len + (-cfg.seq_len) % cfg.nproc}"
+        )
+    if cfg.heads % cfg.nproc or cfg.kv_heads % cfg.nproc:
+        return (
+            f"--heads ({cfg.heads}) and --kv-heads ({cfg.kv_heads}) must be divisible by "
+            f"--nproc ({cfg.nproc})"
+        )
+    if cfg.heads % cfg.kv_heads:
+        return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
+    unknown = [s for s in cfg.strategies if s not in STRATEGIES]
+    if unknown:
+        return f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}"
+    return None
+
+
+def add_command(sub) -> None:
+    """`upipe demo` (see `upipe.cli`)."""
+    from upipe.options import add_dataclass_options
+
+    parser = sub.add_parser(
+        "demo",
+        help="run context-parallel attention on spawned CPU ranks and check it",
+        description=(
+            "Spawn N gloo ranks on this machine, run each strategy's forward+backward on a "
+            "long random sequence, and compare with float64 attention on one process. Prints "
+            "errors, time and per-rank peak memory."
+        ),
+    )
+    add_dataclass_options(parser, DemoConfig)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.set_defaults(handler=_handle)
+
+
+def _handle(ns, parser) -> int:
+    from upipe.options import config_from_args
+
+    cfg = config_from_args(DemoConfig, ns)
+    problem = validate(cfg)
+    if problem:
+        parser.error(problem)
+    run_demo(cfg, json_path=ns.json)
+    return 0
+
+
 def run_demo(cfg: DemoConfig, *, json_path: str | None = None) -> list[dict]:
     """Spawn `cfg.nproc` ranks, run the demo, print a table (and write JSON if asked)."""
     from upipe.launch import LocalCluster

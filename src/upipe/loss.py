@@ -1,0 +1,111 @@
+"""Next-token loss over a sequence-sharded batch: label shifting, chunked cross-entropy and the
+mean over the *global* count of valid tokens.
+
+Legend: B batch, S full sequence, L local sequence, D model width, V vocabulary, N tokens.
+
+Labels are shifted on the full sequence *before* it is sharded (`shift_labels`), so the last
+token of one rank's shard is labelled with the first token of the next rank's shard, and the
+loss needs no communication apart from the final sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(input_ids_BS: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """labels[:, i] = input_ids[:, i + 1]; the last position gets `ignore_index`."""
+    labels_BS = torch.full_like(input_ids_BS, ignore_index)
+    labels_BS[:, :-1] = input_ids_BS[:, 1:]
+    return labels_BS
+
+
+def cross_entropy_sum(
+    hidden_BLD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_BL: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Sum over valid tokens of -log softmax(hidden @ weight.T)[label], in fp32.
+
+    With `chunk_tokens` the logits are computed `chunk_tokens` rows at a time in forward and
+    recomputed the same way in backward, so the `[N, V]` logits (and their gradient) never
+    exist: peak extra memory is one `[chunk_tokens, V]` fp32 block instead of `[N, V]`.
+    """
+    h_ND, labels_N = hidden_BLD.reshape(-1, hidden_BLD.shape[-1]), labels_BL.reshape(-1)
+    if chunk_tokens is None:
+        logits_NV = F.linear(h_ND, weight_VD).float()
+        return F.cross_entropy(logits_NV, labels_N, ignore_index=ignore_index, reduction="sum")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _ChunkedCrossEntropy.apply(h_ND, weight_VD, labels_N, chunk_tokens, ignore_index)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """loss = sum_n [lse(z_n) - z_n[y_n]] over valid n, z_n = W h_n.
+    d loss / d z_n = softmax(z_n) - onehot(y_n) (0 for ignored n), so per chunk
+    dh = dz @ W and dW += dz^T @ h: only one chunk's logits live at a time."""
+
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, labels_N, chunk, ignore_index):
+        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for s in range(0, h_ND.shape[0], chunk):
+            z_nV = F.linear(h_ND[s : s + chunk], weight_VD).float()
+            total += F.cross_entropy(
+                z_nV, labels_N[s : s + chunk], ignore_index=ignore_index, reduction="sum"
+            )
+            del z_nV
+        ctx.save_for_backward(h_ND, weight_VD, labels_N)
+        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        h_ND, weight_VD, labels_N = ctx.saved_tensors
+        dh_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
+        dW_VD = (
+            torch.zeros_like(weight_VD, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        )
+        for s in range(0, h_ND.shape[0], ctx.chunk):
+            h_nD, y_n = h_ND[s : s + ctx.chunk], labels_N[s : s + ctx.chunk]
+            dz_nV = torch.softmax(F.linear(h_nD, weight_VD).float(), dim=-1)
+            valid_n = y_n != ctx.ignore_index
+            rows = valid_n.nonzero().squeeze(1)
+            dz_nV[rows, y_n[rows]] -= 1
+            dz_nV *= valid_n.unsqueeze(1) * grad
+            if dh_ND is not None:
+                dh_ND[s : s + ctx.chunk] = (dz_nV @ weight_VD.float()).to(h_ND.dtype)
+            if dW_VD is not None:
+                dW_VD.addmm_(dz_nV.T, h_nD.float())
+            del dz_nV
+        dW_VD = None if dW_VD is None else dW_VD.to(weight_VD.dtype)
+        return dh_ND, dW_VD, None, None, None
+
+
+def count_valid(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Number of positions whose label is not `ignore_index`, as an fp32 scalar."""
+    return (labels != ignore_index).sum().float()
+
+
+def global_token_mean(loss_sum: torch.Tensor, num_valid: torch.Tensor, group=None) -> torch.Tensor:
+    """The loss averaged over every valid token of all ranks in `group`.
+
+    Returns the same value on every rank: sum_r loss_sum_r / sum_r num_valid_r. Its gradient
+    on rank r is rank r's share, d loss_sum_r / sum_r num_valid_r, so summing parameter
+    gradients over the ranks (what context parallelism and FSDP with a sum reduction do)
+    gives exactly the gradient of the global mean. Padding (ignored labels) is handled by
+    the counts; a rank holding only padding contributes 0 to both sums.
+    """
+    sums = torch.stack([loss_sum.detach().float(), num_valid.detach().float()])
+    if group is not None or dist.is_initialized():
+        dist.all_reduce(sums, group=group)
+    total, count = sums.unbind()
+    if count.item() == 0:
+        raise ValueError("no valid tokens in the batch on any rank (every label is ignored)")
+    return (loss_sum.float() + (total - loss_sum.detach().float())) / count
