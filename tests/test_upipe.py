@@ -116,6 +116,15 @@ def test_module_matches_reference(clusters, world_size, H, G, B, strategy, U):
         assert rel_err(sum(r[name] for r in res), ref[name]) < BWD, name
 
 
+def test_module_ring_strategy_contiguous_and_heads_not_divisible(clusters):
+    cfg = dict(B=2, S=48, dim=24, num_heads=3, num_kv_heads=1, head_dim=8)  # 3 heads on 2 ranks
+    res = clusters(2).run(run_module_layout, cfg, {"strategy": "ring"}, "contiguous")
+    ref = module_reference(cfg)
+    assert rel_err(res[0]["y"], ref["y"]) < FWD
+    assert rel_err(res[0]["dx"], ref["dx"]) < BWD
+    assert rel_err(sum(r["o_proj"] for r in res), ref["o_proj"]) < BWD
+
+
 def test_module_interleaved_rope_theta_and_noncausal(clusters):
     cfg = dict(B=1, S=32, dim=32, num_heads=4, num_kv_heads=2, head_dim=8)
     kwargs = {"rope_interleaved": True, "rope_theta": 500.0, "causal": False}
@@ -185,7 +194,7 @@ def test_zigzag_layout_on_a_group(clusters, strategy, kwargs, causal):
         assert rel_err(a, r) < BWD
 
 
-@pytest.mark.parametrize("strategy", ["upipe", "ulysses"])
+@pytest.mark.parametrize("strategy", ["upipe", "ulysses", "ring"])
 def test_module_zigzag_layout_on_a_group(clusters, strategy):
     cfg = dict(B=1, S=64, dim=32, num_heads=8, num_kv_heads=4, head_dim=8)
     res = clusters(4).run(run_module_layout, cfg, {"strategy": strategy}, "zigzag")

@@ -10,7 +10,9 @@ weights load unchanged. Strategies:
 - "upipe": the fused staged op (fused.py): projections, RoPE and o_proj run per stage
   inside the op and are recomputed in backward, so full-head q/k/v and the full attention
   output gradient never exist. On a mesh each stage's attention is ring attention over the
-  ring dim.
+  ring dim;
+- "ring" (group only): projections and RoPE in autograd, `ring_attention` (all heads stay on
+  every rank; the default layout is the load-balanced "zigzag"), then `o_proj`.
 On a 2-D mesh (`mesh=`, dims "ring" x "ulysses") x is this rank's part in the mesh layout of
 `upipe.comm`; the heads are split over the ulysses dim.
 """
@@ -29,13 +31,14 @@ from upipe.attention.common import (
     resolve_groups,
 )
 from upipe.attention.fused import fused_upipe_attention
+from upipe.attention.ring import ring_attention
 from upipe.attention.schedule import check_heads_per_stage, plan_rounds
 from upipe.attention.ulysses import ulysses_attention
 from upipe.attention.usp import usp_attention
 from upipe.comm import LAYOUTS
 from upipe.rope import apply_rope, rope_cos_sin
 
-MODULE_STRATEGIES = ("upipe", "ulysses")
+MODULE_STRATEGIES = ("upipe", "ulysses", "ring")
 
 
 class ContextParallelAttention(nn.Module):
@@ -80,6 +83,10 @@ class ContextParallelAttention(nn.Module):
         cp = "context-parallel size" if mesh is None else "ulysses size"
         if strategy not in MODULE_STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {MODULE_STRATEGIES}")
+        if strategy == "ring" and mesh is not None:
+            raise ValueError(
+                "strategy 'ring' takes group=; on a mesh use strategy='ulysses' (USP) or 'upipe'"
+            )
         for name, val in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -96,7 +103,7 @@ class ContextParallelAttention(nn.Module):
                 f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}); valid: "
                 f"{_divisors(num_heads)}"
             )
-        if num_heads % C:
+        if num_heads % C and strategy != "ring":
             raise ValueError(
                 f"num_heads ({num_heads}) must be divisible by the {cp} ({C}); "
                 f"use a size in {_divisors(num_heads)}"
@@ -118,7 +125,7 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("heads_per_stage applies to strategy='upipe' only")
         # the sequence layout: of the group (1-D), or of the mesh's ring dim (2-D)
         self.group, self.mesh = ulysses, mesh
-        self.layout = layout or ("contiguous" if mesh is None else "zigzag")
+        self.layout = layout or ("contiguous" if mesh is None and strategy != "ring" else "zigzag")
         self.strategy, self.heads_per_stage = strategy, heads_per_stage
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = (
             dim,
@@ -218,7 +225,9 @@ class ContextParallelAttention(nn.Module):
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
         kw = dict(causal=self.causal, backend=self.backend)
-        if self.mesh is None:
+        if self.strategy == "ring":
+            out = ring_attention(q, k, v, group=self.group, layout=self.layout, **kw)
+        elif self.mesh is None:
             out = ulysses_attention(q, k, v, group=self.group, layout=self.layout, **kw)
         else:
             out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
