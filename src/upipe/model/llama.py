@@ -1,0 +1,148 @@
+"""A Llama-3 / Qwen3-style decoder: RMSNorm, RoPE, SwiGLU MLP, GQA, optional QK-norm.
+
+Legend: B batch, L tokens this process holds, D width, H query heads, G kv heads, d head
+dim, F MLP width, V vocabulary.
+
+Parameter names follow Hugging Face (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`,
+`...mlp.gate_proj`, `model.norm`, `lm_head`), so checkpoints map by name. The model knows
+nothing about parallelism: every block's `self_attn` is a plain single-process `Attention`
+until `upipe.train.parallelize` swaps in a `ContextParallelAttention` holding the same
+parameters. Inputs are token ids with their *global* positions, so the same code runs on a
+whole sequence or on one rank's shard of it.
+
+Memory features (settable attributes, off by default, none changes the math):
+`CausalLM.checkpoint_blocks` (+ `offload`), `MLP.tile_tokens`, `CausalLM.loss_chunk_tokens`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from upipe.loss import cross_entropy_sum
+from upipe.model.config import ModelConfig
+from upipe.model.features import checkpoint, tiled_recompute
+from upipe.rope import apply_rope, rope_cos_sin
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention over the whole sequence in this process (no parallelism)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, H, G, d = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = nn.Linear(D, H * d, bias=False)
+        self.k_proj = nn.Linear(D, G * d, bias=False)
+        self.v_proj = nn.Linear(D, G * d, bias=False)
+        self.o_proj = nn.Linear(H * d, D, bias=False)
+        self.norm_eps = cfg.norm_eps
+        self.q_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x_BLD: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x_BLD.shape
+        d = self.head_dim
+        cos, sin = rope_cos_sin(position_ids_BL, d, theta=self.rope_theta, dtype=x_BLD.dtype)
+        q_BLHd = self.q_proj(x_BLD).view(B, L, -1, d)
+        k_BLGd = self.k_proj(x_BLD).view(B, L, -1, d)
+        if self.q_norm is not None:
+            q_BLHd, k_BLGd = self.q_norm(q_BLHd), self.k_norm(k_BLGd)
+        q_BLHd, k_BLGd = apply_rope(q_BLHd, cos, sin), apply_rope(k_BLGd, cos, sin)
+        v_BLGd = self.v_proj(x_BLD).view(B, L, -1, d)
+        out_BHLd = F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q_BLHd, k_BLGd, v_BLGd)), is_causal=True, enable_gqa=True
+        )
+        return self.o_proj(out_BHLd.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); with `tile_tokens` set, run in sequence tiles
+    and recomputed in backward (the [B, L, F] intermediates never exist)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.tile_tokens: int | None = None
+
+    def _swiglu(self, x_BLD):
+        return self.down_proj(F.silu(self.gate_proj(x_BLD)) * self.up_proj(x_BLD))
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens is None:
+            return self._swiglu(x_BLD)
+        return tiled_recompute(self._swiglu, x_BLD, self.tile_tokens)
+
+
+class Block(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)) (pre-norm residual block)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BLD: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
+        h_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), position_ids_BL)
+        return h_BLD + self.mlp(self.post_attention_layernorm(h_BLD))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks and final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`forward(input_ids, position_ids, labels=None)`: the logits [B, L, V] without labels;
+    with labels, the *sum* of the next-token losses over valid labels (fp32 scalar; divide by
+    the global count of valid labels, see `upipe.loss.global_token_mean`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.checkpoint_blocks = False
+        self.offload: str | None = None
+        self.loss_chunk_tokens: int | None = None
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed` alone (same weights on every process and device):
+        normal(0, 0.02) matrices and embeddings, ones for norms, in parameter-name order."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
+
+    def hidden(self, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
+        h_BLD = self.model.embed_tokens(input_ids_BL)
+        for block in self.model.layers:
+            if self.checkpoint_blocks:
+                h_BLD = checkpoint(block, h_BLD, position_ids_BL, offload=self.offload)
+            else:
+                h_BLD = block(h_BLD, position_ids_BL)
+        return self.model.norm(h_BLD)
+
+    def forward(self, input_ids_BL, position_ids_BL, labels_BL=None):
+        h_BLD = self.hidden(input_ids_BL, position_ids_BL)
+        if labels_BL is None:
+            return self.lm_head(h_BLD)
+        return cross_entropy_sum(
+            h_BLD, self.lm_head.weight, labels_BL, chunk_tokens=self.loss_chunk_tokens
+        )

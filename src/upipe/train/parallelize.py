@@ -1,0 +1,149 @@
+"""The parallelize step: swap each block's attention for a context-parallel one, switch the
+memory features on, and shard with FSDP2. The model code stays parallelism-free.
+
+Strategies (C = context-parallel size = ring x ulysses):
+- "none": every rank holds whole sequences (C = 1; ranks are data-parallel replicas);
+- "ulysses", "upipe": all-to-all over C ranks (heads split), contiguous sequence shards;
+  "upipe" on a mesh with ring > 1 runs each stage's attention as ring attention;
+- "ring": ring attention over C ranks, zigzag shards (load-balanced causal work);
+- "usp": Ulysses inside groups of `ulysses` ranks, ring across them (2-D, zigzag ring dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from upipe.attention.module import ContextParallelAttention
+from upipe.comm import sequence_positions
+from upipe.model.llama import Attention, CausalLM
+
+STRATEGIES = ("none", "ulysses", "upipe", "ring", "usp")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ContextParallel:
+    """Where this rank's tokens sit: the group or mesh the attention communicates over."""
+
+    strategy: str
+    size: int
+    group: object = None
+    mesh: object = None
+    layout: str = "contiguous"
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions `[L]` of this rank's tokens of a length-`seq_len` sequence."""
+        if self.size == 1:
+            return torch.arange(seq_len, device=device)
+        if self.mesh is not None:
+            return sequence_positions(seq_len, mesh=self.mesh, layout=self.layout, device=device)
+        return sequence_positions(
+            seq_len,
+            rank=dist.get_rank(self.group),
+            world_size=self.size,
+            layout=self.layout,
+            device=device,
+        )
+
+
+def context_parallel(strategy: str, mesh) -> ContextParallel:
+    """The `ContextParallel` of `strategy` on a `upipe.make_mesh` mesh (dims dp, ring, ulysses)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    R, U = mesh["ring"].size(), mesh["ulysses"].size()
+    if strategy == "none":
+        return ContextParallel(strategy=strategy, size=1)
+    if R > 1 and U > 1:
+        return ContextParallel(strategy=strategy, size=R * U, mesh=mesh, layout="zigzag")
+    if strategy == "ring":
+        return ContextParallel(
+            strategy=strategy, size=R, group=mesh["ring"].get_group(), layout="zigzag"
+        )
+    return ContextParallel(strategy=strategy, size=U, group=mesh["ulysses"].get_group())
+
+
+def parallelize(
+    model: CausalLM, cp: ContextParallel, *, heads_per_stage: int | None = None, backend=None
+) -> CausalLM:
+    """Replace every block's `Attention` by a `ContextParallelAttention` of `cp.strategy`
+    holding the *same* parameter objects (nothing is copied). Returns `model`."""
+    if cp.strategy == "none":
+        return model
+    strategy = {"usp": "ulysses"}.get(cp.strategy, cp.strategy)
+    for block in model.model.layers:
+        old: Attention = block.self_attn
+        new = ContextParallelAttention(
+            model.config.dim,
+            old.num_heads,
+            old.num_kv_heads,
+            old.head_dim,
+            group=cp.group,
+            mesh=cp.mesh,
+            layout=cp.layout,
+            strategy=strategy,
+            heads_per_stage=heads_per_stage if strategy == "upipe" else None,
+            rope_theta=old.rope_theta,
+            qk_norm=old.q_norm is not None,
+            norm_eps=old.norm_eps,
+            backend=backend,
+            device="meta",
+        )
+        for name, child in old.named_children():
+            setattr(new, name, child)  # the same Linear / RMSNorm modules, same parameters
+        block.self_attn = new
+    return model
+
+
+@dataclasses.dataclass(kw_only=True)
+class MemoryFeatures:
+    tiled_mlp: int | None = None
+    """Run the MLP in sequence tiles of this many tokens, recomputed in backward."""
+    loss_chunk: int | None = None
+    """Compute the cross-entropy this many tokens at a time (no [L, V] logits)."""
+    checkpoint: bool = False
+    """Activation checkpointing per block (only each block's input is kept)."""
+    offload: bool = False
+    """Keep the checkpointed block inputs in host memory (CUDA; needs checkpoint)."""
+
+
+def apply_memory_features(model: CausalLM, features: MemoryFeatures, device) -> CausalLM:
+    """Switch the features on (the model's attributes; see `upipe.model.llama`)."""
+    if features.offload and not features.checkpoint:
+        raise ValueError("offload keeps the checkpointed block inputs on the host; add checkpoint")
+    for block in model.model.layers:
+        block.mlp.tile_tokens = features.tiled_mlp
+    model.loss_chunk_tokens = features.loss_chunk
+    model.checkpoint_blocks = features.checkpoint
+    on_device = torch.device(device).type not in ("cpu", "meta")
+    model.offload = "cpu" if features.offload and on_device else None
+    return model
+
+
+def apply_fsdp(model: CausalLM, mesh) -> CausalLM:
+    """FSDP2 over every rank of `mesh` (data x context): each block is one unit, the root
+    holds embeddings, final norm and head. Parameters, gradients and optimizer states are
+    sharded across the context-parallel ranks too. Gradients are *summed* over ranks (divide
+    factor 1): each rank's loss is already its share of the global token mean."""
+    from torch.distributed.fsdp import fully_shard
+
+    flat = mesh._flatten("fsdp") if mesh.ndim > 1 else mesh
+    for unit in [*model.model.layers, model]:
+        fully_shard(unit, mesh=flat)
+    for unit in [*model.model.layers, model]:  # the settings are per unit
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return model
+
+
+def allreduce_gradients(model: nn.Module, group=None) -> None:
+    """Without FSDP: sum every gradient over all ranks (one flat buffer per dtype)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(same, flat.split([g.numel() for g in same]), strict=True):
+            g.copy_(part.view_as(g))

@@ -1,0 +1,215 @@
+"""The training stack: every strategy and memory feature trains exactly like one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import rel_err
+from train_workers import small_config, train_and_save, train_steps
+
+from upipe.loss import count_valid, cross_entropy_sum, global_token_mean, shift_labels
+from upipe.model import CausalLM, get_config
+from upipe.model.features import checkpoint, tiled_recompute
+from upipe.train.loop import validate
+
+# Training parity: same fp32 math, different reduction order. Gradients of one step are as
+# close as the attention itself (~1e-6); losses after a few AdamW steps stay within 1e-5.
+LOSS_TOL, GRAD_TOL = 1e-5, 2e-5
+
+
+@pytest.fixture(scope="module")
+def reference(clusters):
+    """Single-process runs (strategy none) of each model, by name."""
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            cache[model] = clusters(1).run(train_steps, small_config(model=model, strategy="none"))[
+                0
+            ]
+        return cache[model]
+
+    return get
+
+
+def _check(res, ref):
+    for a, b in zip(res["losses"], ref["losses"], strict=True):
+        assert abs(a - b) / abs(b) < LOSS_TOL, (res["losses"], ref["losses"])
+    for name, g in ref["grads"].items():
+        assert rel_err(res["grads"][name], g) < GRAD_TOL, name
+
+
+@pytest.mark.parametrize(
+    "world_size,model,kw",
+    [
+        (2, "tiny", {"strategy": "ulysses"}),
+        (4, "tiny", {"strategy": "ulysses"}),
+        (2, "tiny", {"strategy": "upipe"}),
+        (4, "tiny", {"strategy": "upipe", "heads_per_stage": 8}),
+        (4, "tiny-qwen3", {"strategy": "upipe"}),  # QK-norm, tied embeddings, kv replicated
+        (2, "tiny-qwen3", {"strategy": "ulysses"}),
+        (4, "tiny", {"strategy": "ring"}),
+        (4, "tiny", {"strategy": "usp"}),
+        (4, "tiny", {"strategy": "upipe", "ring": 2}),
+        (4, "tiny", {"strategy": "upipe", "fsdp": True}),
+        (2, "tiny-qwen3", {"strategy": "ulysses", "fsdp": True}),
+        (4, "tiny", {"strategy": "upipe", "dp": 2}),
+    ],
+)
+def test_training_equals_one_process(clusters, reference, world_size, model, kw):
+    cfg = small_config(model=model, **kw)
+    if kw.get("dp") == 2:  # two sequences per step in both runs
+        ref = clusters(1).run(train_steps, small_config(model=model, strategy="none", batch_size=2))
+        ref = ref[0]
+    else:
+        ref = reference(model)
+    _check(clusters(world_size).run(train_steps, cfg)[0], ref)
+
+
+@pytest.mark.parametrize(
+    "world_size,strategy,features",
+    [
+        (1, "none", {"tiled_mlp": True, "mlp_tile": 48}),
+        (1, "none", {"chunked_loss": True, "loss_chunk": 40}),
+        (1, "none", {"checkpoint": True}),
+        (1, "none", {"checkpoint": True, "offload": True}),  # offload is a no-op on CPU
+        (
+            2,
+            "upipe",
+            {
+                "tiled_mlp": True,
+                "mlp_tile": 16,
+                "chunked_loss": True,
+                "loss_chunk": 24,
+                "checkpoint": True,
+            },
+        ),
+        (4, "ulysses", {"checkpoint": True, "fsdp": True, "tiled_mlp": True, "mlp_tile": 8}),
+    ],
+)
+def test_memory_features_do_not_change_the_math(
+    clusters, reference, world_size, strategy, features
+):
+    cfg = small_config(strategy=strategy, **features)
+    _check(clusters(world_size).run(train_steps, cfg)[0], reference("tiny"))
+
+
+def test_memory_features_save_memory(clusters):
+    """Each feature lowers the per-rank peak of a step (one process, longer sequence)."""
+    base = small_config(strategy="none", seq_len=1024, steps=1)
+    peak = lambda **kw: clusters(1).run(train_steps, dataclasses.replace(base, **kw), True)[0]
+    off = peak()
+    assert peak(chunked_loss=True, loss_chunk=128) < off
+    assert peak(tiled_mlp=True, mlp_tile=128) < off
+    assert peak(checkpoint=True) < off
+
+
+def test_resume_continues_the_same_curve(clusters, tmp_path):
+    cfg = small_config(strategy="upipe", steps=4, fsdp=True)
+    straight = clusters(2).run(train_and_save, cfg)[0]
+    ckpt = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path / "ckpt"), steps=2)
+    first = clusters(2).run(train_and_save, ckpt)[0]  # stops (as if killed) after step 2
+    resumed = clusters(2).run(train_and_save, dataclasses.replace(ckpt, steps=4, resume=True))[0]
+    assert first == straight[:2]
+    assert resumed == straight[2:]  # bit for bit: same data by step, same restored state
+
+
+def test_chunked_cross_entropy_and_tiling_float64():
+    torch.manual_seed(0)
+    h = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    labels = shift_labels(torch.randint(0, 50, (2, 37)))
+    labels[0, :9] = -100  # padding
+    full = cross_entropy_sum(h, w, labels)
+    chunked = cross_entropy_sum(h, w, labels, chunk_tokens=10)
+    assert abs(full.item() - chunked.item()) < 1e-5 * abs(full.item())
+    g_full, g_chunk = torch.autograd.grad(full, (h, w)), torch.autograd.grad(chunked, (h, w))
+    for a, b in zip(g_full, g_chunk, strict=True):
+        assert rel_err(b, a) < 1e-6
+    assert count_valid(labels).item() == 2 * 37 - 2 - 9  # last position of each row, 9 pads
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 16))
+    mlp.double()
+    y = tiled_recompute(mlp, h, 8)
+    y_ref = mlp(h)
+    assert rel_err(y, y_ref) < 1e-12
+    gy = torch.randn_like(y)
+    # reentrant recompute: parameter gradients accumulate into .grad (use backward, not grad)
+    y.backward(gy)
+    tiled = [h.grad.clone(), *(p.grad.clone() for p in mlp.parameters())]
+    h.grad = None
+    mlp.zero_grad()
+    y_ref.backward(gy)
+    ref = [h.grad, *(p.grad for p in mlp.parameters())]
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(tiled, ref, strict=True))
+    z = checkpoint(lambda x, s: mlp(x) * s, h, 2.0)
+    assert (
+        rel_err(torch.autograd.grad(z.sum(), h)[0], torch.autograd.grad((mlp(h) * 2).sum(), h)[0])
+        < 1e-12
+    )
+
+
+def test_global_token_mean_single_process_matches_mean():
+    loss_sum, n = torch.tensor(12.0, requires_grad=True), torch.tensor(4.0)
+    loss = global_token_mean(loss_sum, n)
+    loss.backward()
+    assert loss.item() == 3.0 and loss_sum.grad.item() == 0.25
+
+
+def test_same_seed_same_weights_whatever_the_model_split():
+    a, b = CausalLM(get_config("tiny")), CausalLM(get_config("tiny"))
+    a.init_weights(7)
+    b.init_weights(7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert get_config("llama3-8b").num_params() == 8_030_261_248  # the published 8.03B
+
+
+@pytest.mark.parametrize(
+    "kw,world,message",
+    [
+        ({"strategy": "ulysses", "nproc": 3}, 3, "8 heads, not divisible by the ulysses size 3"),
+        ({"strategy": "ulysses", "seq_len": 1001}, 4, "--seq-len 1001 must be a multiple of 4"),
+        ({"strategy": "ring", "seq_len": 36}, 4, "multiple of 8 for ring on 4 context-parallel"),
+        ({"strategy": "none", "dp": 2}, 4, "use --dp 4"),
+        ({"strategy": "upipe", "heads_per_stage": 3}, 4, "--heads-per-stage: heads_per_stage (3)"),
+        ({"strategy": "usp", "ring": 4}, 4, "usp needs 1 < --ring < 4"),
+        ({"offload": True}, 4, "add --checkpoint"),
+        ({"resume": True}, 4, "--resume needs --checkpoint-dir"),
+        ({"strategy": "ulysses", "model": "tiny-qwen3"}, 4, "use --strategy upipe"),
+    ],
+)
+def test_validation_messages(kw, world, message):
+    assert message in validate(small_config(**kw), world)
+
+
+def _upipe(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "upipe", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cli_demo_path_small(tmp_path):
+    metrics, plot = tmp_path / "m.jsonl", tmp_path / "loss.png"
+    res = _upipe(
+        "train", "--nproc", "2", "--seq-len", "256", "--steps", "3", "--data",
+        small_config().data, "--metrics-file", str(metrics), "--plot", str(plot),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"] < math.log(257) + 0.2
+    assert plot.stat().st_size > 1000 and "loss" in res.stdout
+
+
+def test_cli_bad_option_is_a_message():
+    res = _upipe("train", "--nproc", "4", "--seq-len", "1001", "--strategy", "ulysses")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--seq-len 1001 must be a multiple of 4" in res.stderr
+    res = _upipe("train", "--data", "/nonexistent/corpus")
+    assert res.returncode == 2 and "neither a file nor a directory" in res.stderr

@@ -1,0 +1,48 @@
+"""Module-level functions run on every rank of a LocalCluster by tests/test_train.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from upipe.train import TrainConfig, Trainer
+
+# a small corpus that is on every checkout: the package's own sources
+CORPUS = str(Path(__file__).resolve().parents[1] / "src" / "upipe")
+
+
+def small_config(**kw) -> TrainConfig:
+    base = dict(model="tiny", seq_len=128, steps=3, lr=1e-2, data=CORPUS, plot=None)
+    return TrainConfig(**{**base, **kw})
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train_steps(rank, world_size, cfg: TrainConfig, memory: bool = False):
+    """Losses of cfg.steps steps, and the (full, summed over ranks) gradients of step 1."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    losses, grads, peaks = [], None, []
+    for step in range(cfg.steps):
+        if memory:
+            peaks.append(trainer.step(step)["peak_memory_bytes"])
+            continue
+        losses.append(trainer.forward_backward(step))
+        if step == 0:
+            grads = {n: _full(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.optimizer_step()
+    if memory:
+        all_peaks = [None] * world_size
+        dist.all_gather_object(all_peaks, max(peaks))
+        return max(all_peaks)
+    return {"losses": losses, "grads": grads}
+
+
+def train_and_save(rank, world_size, cfg: TrainConfig):
+    """upipe.train.train(cfg): rank 0's per-step metrics."""
+    from upipe.train import train
+
+    return [row["loss"] for row in train(cfg)]
