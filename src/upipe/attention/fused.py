@@ -5,9 +5,11 @@ H query heads, G kv heads, U heads per stage, u = U / C query heads per rank per
 n = C * k heads in a round's kv exchange, d head dim, C group size.
 
 Per round (kv heads `kv_idx`) and stage (query heads `q_idx`), on each rank:
-    k_BLnd = rope(norm_k(x W_k[kv_idx]^T)),  v_BLnd = x W_v[kv_idx]^T  --seq_to_head-->  k, v
-    q_BLUd = rope(norm_q(x W_q[q_idx]^T))    --seq_to_head-->  q_BSud
-(norm_q/norm_k: the optional QK-norm, RMSNorm over each head's d features; identity without)
+    k_BLnd = rope(norm_k(x W_k[kv_idx]^T + b_k)),  v_BLnd = x W_v[kv_idx]^T + b_v
+                                                   --seq_to_head-->  k_BSkd, v_BSkd
+    q_BLUd = rope(norm_q(x W_q[q_idx]^T + b_q))    --seq_to_head-->  q_BSud
+(norm_q/norm_k: the optional QK-norm, RMSNorm over each head's d features; identity without;
+b_q/b_k/b_v: the optional projection biases, as in Qwen2, with the heads' rows taken alike)
     out_BSud, lse = attention(q_BSud, k_BSkd, v_BSkd)  --head_to_seq-->  out_BLUd
     y += out_BLUd W_o[:, q_idx]^T                       (fp32 accumulator)
 so full-head q/k/v never exist and o_proj needs no full-width input. Saved: x, the weights,
@@ -46,6 +48,16 @@ def _index(heads, device):
 def _rows(w_ndD, idx):
     """Weight rows of the listed heads: [n, d, D] -> [len(idx) * d, D] (a small copy)."""
     return w_ndD.index_select(0, idx).flatten(0, 1)
+
+
+def _bias_rows(b_n, idx, d):
+    """Bias entries of the listed heads: [n * d] -> [len(idx) * d]; None without a bias."""
+    return None if b_n is None else b_n.view(-1, d).index_select(0, idx).flatten()
+
+
+def _project(x_ND, w_rows, b_rows):
+    """x @ w_rows^T (+ b_rows)."""
+    return x_ND @ w_rows.t() if b_rows is None else torch.addmm(b_rows, x_ND, w_rows.t())
 
 
 def _addmm_(acc32, a, b):
@@ -122,32 +134,43 @@ class _Prep:
             t_BLnd = F.rms_norm(t_BLnd, (t_BLnd.shape[-1],), self.norm_w, self.eps)
         return apply_rope(t_BLnd, self.cos, self.sin, interleaved=self.interleaved)
 
-    def backward(self, g_BLnd, x_ND, w_ndD, idx):
-        """(gradient w.r.t. the projection x w[idx]^T, gradient of norm_w or None) from the
-        gradient w.r.t. this prep's output; the norm's input x w[idx]^T is recomputed."""
+    def backward(self, g_BLnd, x_ND, w_ndD, idx, b_rows=None):
+        """(gradient w.r.t. the projection x w[idx]^T + b_rows, gradient of norm_w or None)
+        from the gradient w.r.t. this prep's output; the norm's input is recomputed."""
         g_BLnd = apply_rope_backward(g_BLnd, self.cos, self.sin, interleaved=self.interleaved)
         if self.norm_w is None:
             return g_BLnd, None
         with torch.enable_grad():  # the norm's backward, by autograd on the recomputed input
-            t_BLnd = (x_ND @ _rows(w_ndD, idx).t()).view_as(g_BLnd).requires_grad_()
+            t_BLnd = _project(x_ND, _rows(w_ndD, idx), b_rows).view_as(g_BLnd).requires_grad_()
             w = self.norm_w.detach().requires_grad_()
             y_BLnd = F.rms_norm(t_BLnd, (t_BLnd.shape[-1],), w, self.eps)
             return torch.autograd.grad(y_BLnd, (t_BLnd, w), g_BLnd)
 
 
-def _heads_of(x_ND, w_rows, B, L, d, prep=None):
-    """x @ w_rows^T as [B, L, n, d], through `prep` (QK-norm, RoPE) if given."""
-    t_BLnd = (x_ND @ w_rows.t()).view(B, L, -1, d)
+def _heads_of(x_ND, w_rows, B, L, d, prep=None, b_rows=None):
+    """x @ w_rows^T (+ b_rows) as [B, L, n, d], through `prep` (QK-norm, RoPE) if given."""
+    t_BLnd = _project(x_ND, w_rows, b_rows).view(B, L, -1, d)
     return t_BLnd if prep is None else prep(t_BLnd)
 
 
-def _kv_round(x_ND, wk_rows, wv_rows, B, L, d, k_prep, ex):
-    k_BSkd = ex.to_head(_heads_of(x_ND, wk_rows, B, L, d, k_prep))
-    v_BSkd = ex.to_head(_heads_of(x_ND, wv_rows, B, L, d))
+def _kv_round(x_ND, wk_GdD, wv_GdD, biases, kv_idx, B, L, d, k_prep, ex):
+    _, bk, bv = biases
+    k_BLkd = _heads_of(x_ND, _rows(wk_GdD, kv_idx), B, L, d, k_prep, _bias_rows(bk, kv_idx, d))
+    k_BSkd = ex.to_head(k_BLkd)
+    del k_BLkd
+    v_BSkd = ex.to_head(
+        _heads_of(x_ND, _rows(wv_GdD, kv_idx), B, L, d, None, _bias_rows(bv, kv_idx, d))
+    )
     return k_BSkd, v_BSkd
 
 
-def _forward(x, wq, wk, wv, wo, q_prep, k_prep, rounds, d, ex, attn):
+def _q_stage(x_ND, wq_HdD, bq, q_idx, B, L, d, q_prep, ex):
+    return ex.to_head(
+        _heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, q_prep, _bias_rows(bq, q_idx, d))
+    )
+
+
+def _forward(x, wq, wk, wv, wo, biases, q_prep, k_prep, rounds, d, ex, attn):
     """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse."""
     B, L, D = x.shape
     x_ND = x.reshape(B * L, D)
@@ -157,12 +180,10 @@ def _forward(x, wq, wk, wv, wo, q_prep, k_prep, rounds, d, ex, attn):
     out_slices, lse_list = [], []
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
-        k_BSkd, v_BSkd = _kv_round(
-            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, k_prep, ex
-        )
+        k_BSkd, v_BSkd = _kv_round(x_ND, wk_GdD, wv_GdD, biases, kv_idx, B, L, d, k_prep, ex)
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
-            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, q_prep))
+            q_BSud = _q_stage(x_ND, wq_HdD, biases[0], q_idx, B, L, d, q_prep, ex)
             out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             out_BLUd = ex.to_seq(out_BSud)
@@ -174,9 +195,11 @@ def _forward(x, wq, wk, wv, wo, q_prep, k_prep, rounds, d, ex, attn):
     return y32_ND.view(B, L, D).to(x.dtype), out_slices, lse_list
 
 
-def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, rounds, d, ex, attn):
-    """Gradients (dx, dwq, dwk, dwv, dwo, d q_norm, d k_norm), the last two None without
-    QK-norm. Empties `out_slices` and `lse_list` as it goes.
+def _backward(
+    dy, x, wq, wk, wv, wo, biases, q_prep, k_prep, out_slices, lse_list, rounds, d, ex, attn
+):
+    """Gradients (dx, dwq, dwk, dwv, dwo, d q_norm, d k_norm, dbq, dbk, dbv), the norm and
+    bias gradients None where absent. Empties `out_slices` and `lse_list` as it goes.
 
     Memory: each stage's saved output is freed once its stage is done, and the projection
     gradients dq (and per round dk, dv) wait in the sequence layout until they are as big as
@@ -193,15 +216,22 @@ def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, round
     dwv32_GdD = torch.zeros_like(dwk32_GdD)
     dx = _DxAccumulator(B * L, D, x.dtype, x.device)
     dnorm32 = {"q": None, "k": None}  # QK-norm weight gradients, summed over heads in fp32
+    bq, bk, bv = biases
+    dbq_Hd = None if bq is None else torch.empty_like(bq).view(-1, d)
+    # kv bias gradients: replicas add up, as for the weights (fp32)
+    db32 = {
+        name: None
+        if b is None
+        else torch.zeros(b.numel() // d, d, dtype=acc_dtype(x.dtype), device=x.device)
+        for name, b in (("k", bk), ("v", bv))
+    }
     for rnd in rounds:
         kv_idx = _index(rnd.kv_heads, x.device)
-        k_BSkd, v_BSkd = _kv_round(
-            x_ND, _rows(wk_GdD, kv_idx), _rows(wv_GdD, kv_idx), B, L, d, k_prep, ex
-        )
+        k_BSkd, v_BSkd = _kv_round(x_ND, wk_GdD, wv_GdD, biases, kv_idx, B, L, d, k_prep, ex)
         dk32_BSkd = dv32_BSkd = None
         for stage in rnd.stages:
             q_idx = _index(stage, x.device)
-            q_BSud = ex.to_head(_heads_of(x_ND, _rows(wq_HdD, q_idx), B, L, d, q_prep))
+            q_BSud = _q_stage(x_ND, wq_HdD, biases[0], q_idx, B, L, d, q_prep, ex)
             out_BLUd = out_slices.pop(0)
             wo_cols = wo_DHd.index_select(1, q_idx).flatten(1)  # [D, U*d]
             dout_BLUd = (dy_ND @ wo_cols).view(B, L, -1, d)
@@ -219,25 +249,32 @@ def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, round
             del dk_BSkd, dv_BSkd
             dq_BLUd = ex.to_seq(dq_BSud)
             del dq_BSud
-            dq_BLUd, dnorm = q_prep.backward(dq_BLUd, x_ND, wq_HdD, q_idx)
+            dq_BLUd, dnorm = q_prep.backward(dq_BLUd, x_ND, wq_HdD, q_idx, _bias_rows(bq, q_idx, d))
             dnorm32["q"] = _add_norm_grad(dnorm32["q"], dnorm)
             dq_NUd = dq_BLUd.view(B * L, -1)
             dwq_HdD.index_copy_(0, q_idx, (dq_NUd.t() @ x_ND).view(-1, d, D))
+            if dbq_Hd is not None:
+                dbq_Hd.index_copy_(0, q_idx, dq_NUd.sum(0).view(-1, d))
             dx.add(dq_NUd, wq_HdD, q_idx)
             del dq_BLUd, dq_NUd
         del k_BSkd, v_BSkd
         # the round's dk, dv go back once; each sum is freed as soon as it is sent
-        kv_sums = [(dk32_BSkd, wk_GdD, dwk32_GdD, k_prep), (dv32_BSkd, wv_GdD, dwv32_GdD, None)]
+        kv_sums = [
+            (dk32_BSkd, wk_GdD, dwk32_GdD, k_prep, "k", bk),
+            (dv32_BSkd, wv_GdD, dwv32_GdD, None, "v", bv),
+        ]
         del dk32_BSkd, dv32_BSkd
         while kv_sums:
-            d32_BSkd, w_GdD, dw32_GdD, prep = kv_sums.pop(0)
+            d32_BSkd, w_GdD, dw32_GdD, prep, name, b = kv_sums.pop(0)
             g_BLnd = ex.to_seq(d32_BSkd.to(x.dtype))
             del d32_BSkd
             if prep is not None:
-                g_BLnd, dnorm = prep.backward(g_BLnd, x_ND, w_GdD, kv_idx)
+                g_BLnd, dnorm = prep.backward(g_BLnd, x_ND, w_GdD, kv_idx, _bias_rows(b, kv_idx, d))
                 dnorm32["k"] = _add_norm_grad(dnorm32["k"], dnorm)
             g_Nn = g_BLnd.view(B * L, -1)
             dw32_GdD.index_add_(0, kv_idx, (g_Nn.t() @ x_ND).view(-1, d, D).to(dw32_GdD.dtype))
+            if db32[name] is not None:
+                db32[name].index_add_(0, kv_idx, g_Nn.sum(0).view(-1, d).to(db32[name].dtype))
             dx.add(g_Nn, w_GdD, kv_idx)
             del g_BLnd, g_Nn
         dx.end_round()
@@ -248,6 +285,11 @@ def _backward(dy, x, wq, wk, wv, wo, q_prep, k_prep, out_slices, lse_list, round
         dwv32_GdD.to(wv.dtype).view_as(wv),
         dwo_DHd.view_as(wo),
         *(None if g is None else g.to(wq.dtype) for g in (dnorm32["q"], dnorm32["k"])),
+        None if dbq_Hd is None else dbq_Hd.view_as(bq),
+        *(
+            None if g is None else g.to(b.dtype).view_as(b)
+            for g, b in ((db32["k"], bk), (db32["v"], bv))
+        ),
     )
 
 
@@ -258,20 +300,41 @@ def _add_norm_grad(acc32, g):
 class _FusedUPipe(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, wq, wk, wv, wo, q_norm, k_norm, cos, sin, interleaved, eps, rounds, d, ex, attn
+        ctx,
+        x,
+        wq,
+        wk,
+        wv,
+        wo,
+        q_norm,
+        k_norm,
+        bq,
+        bk,
+        bv,
+        cos,
+        sin,
+        interleaved,
+        eps,
+        rounds,
+        d,
+        ex,
+        attn,
     ):
         q_prep = _Prep(cos, sin, interleaved, q_norm, eps)
         k_prep = _Prep(cos, sin, interleaved, k_norm, eps)
-        y, out_slices, lse_list = _forward(x, wq, wk, wv, wo, q_prep, k_prep, rounds, d, ex, attn)
+        biases = (bq, bk, bv)
+        y, out_slices, lse_list = _forward(
+            x, wq, wk, wv, wo, biases, q_prep, k_prep, rounds, d, ex, attn
+        )
         # backward frees the stage outputs and lse stage by stage
-        keep = (x, wq, wk, wv, wo, q_norm, k_norm, cos, sin)
+        keep = (x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin)
         save_for_backward(ctx, keep=keep, free=out_slices + lse_list)
         ctx.args = (interleaved, eps, rounds, d, ex, attn)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x, wq, wk, wv, wo, q_norm, k_norm, cos, sin), stashed = saved_for_backward(ctx)
+        (x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin), stashed = saved_for_backward(ctx)
         interleaved, eps, rounds, d, ex, attn = ctx.args
         n = len(stashed) // 2
         out_slices, lse_list = stashed[:n], stashed[n:]
@@ -283,6 +346,7 @@ class _FusedUPipe(torch.autograd.Function):
             wk,
             wv,
             wo,
+            (bq, bk, bv),
             _Prep(cos, sin, interleaved, q_norm, eps),
             _Prep(cos, sin, interleaved, k_norm, eps),
             out_slices,
@@ -292,8 +356,7 @@ class _FusedUPipe(torch.autograd.Function):
             ex,
             attn,
         )
-        dx, dwq, dwk, dwv, dwo, dqn, dkn = grads
-        return (dx, dwq, dwk, dwv, dwo, dqn, dkn, *([None] * 8))
+        return (*grads, *([None] * 8))
 
 
 def fused_upipe_attention(
@@ -315,6 +378,9 @@ def fused_upipe_attention(
     q_norm=None,
     k_norm=None,
     norm_eps=1e-6,
+    q_bias=None,
+    k_bias=None,
+    v_bias=None,
     layout="contiguous",
     ring_group=None,
     ring_layout="zigzag",
@@ -325,6 +391,8 @@ def fused_upipe_attention(
     wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's global positions,
     `rounds` from `upipe.attention.schedule.plan_rounds`. `q_norm`/`k_norm` (weights `[d]`):
     QK-norm, RMSNorm of each projected head before RoPE (Qwen3), recomputed in backward.
+    `q_bias` `[H*d]`, `k_bias`/`v_bias` `[G*d]`: projection biases (Qwen2), added before
+    QK-norm and RoPE.
     The all-to-alls run over `group`
     for a sequence sharded in `layout`; with `ring_group` (a 2-D mesh: x in the mesh layout
     of `upipe.comm`, contiguous within the ulysses group, `ring_layout` across the ring) each
@@ -341,6 +409,9 @@ def fused_upipe_attention(
         wo,
         q_norm,
         k_norm,
+        q_bias,
+        k_bias,
+        v_bias,
         cos,
         sin,
         rope_interleaved,

@@ -195,8 +195,16 @@ class ContextParallelAttention(nn.Module):
         cos, sin = rope_cos_sin(
             position_ids, d, theta=self.rope_theta, interleaved=self.rope_interleaved, dtype=x.dtype
         )
+        return self._attend(x, cos, sin)
+
+    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The layer on validated x `[B, L, D]` with RoPE cos/sin `[B, L, d]` for its tokens.
+
+        Projection biases, where the projections have them (Hugging Face Qwen2 and
+        `attention_bias=True` models, see `upipe.integrations.hf`), are applied too."""
+        d = self.head_dim
         if self.strategy == "upipe":
-            return fused_upipe_attention(
+            y = fused_upipe_attention(
                 x,
                 self.q_proj.weight,
                 self.k_proj.weight,
@@ -213,10 +221,14 @@ class ContextParallelAttention(nn.Module):
                 q_norm=None if self.q_norm is None else self.q_norm.weight,
                 k_norm=None if self.k_norm is None else self.k_norm.weight,
                 norm_eps=self.norm_eps,
+                q_bias=self.q_proj.bias,
+                k_bias=self.k_proj.bias,
+                v_bias=self.v_proj.bias,
                 layout=self.layout if self.mesh is None else "contiguous",
                 ring_group=self.ring_group,
                 ring_layout=self.layout,
             )
+            return y if self.o_proj.bias is None else y + self.o_proj.bias
         B, L, _ = x.shape
         rot = dict(interleaved=self.rope_interleaved)
         q, k = self.q_proj(x).view(B, L, -1, d), self.k_proj(x).view(B, L, -1, d)
