@@ -1,0 +1,292 @@
+"""Hugging Face `transformers` causal LMs, made context-parallel in one call.
+
+Legend: B batch, S full sequence, L = S / C local tokens, D model width, V vocabulary,
+d head dim, C ranks the sequence is split over (group size, or ring x ulysses on a mesh).
+
+    model = LlamaForCausalLM.from_pretrained(path)          # or Qwen2/Qwen3/Mistral
+    apply_context_parallel(model, group=dist.group.WORLD)   # strategy="upipe" by default
+    batch = shard_batch(input_ids_BS, group=dist.group.WORLD)
+    logits_BLV = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = causal_lm_loss(logits_BLV, batch["labels"], group=dist.group.WORLD)
+    loss.backward()      # parameter gradients: this rank's share; sum them over the ranks
+
+`apply_context_parallel` puts a `HFContextParallelAttention` in place of each decoder layer's
+`self_attn`. It holds the model's own `q_proj`/`k_proj`/`v_proj`/`o_proj` (and Qwen3's
+`q_norm`/`k_norm`) modules -- the same objects, so no weight is copied or permuted and the
+state-dict keys are unchanged: a checkpoint loads before or after the call. RoPE comes from
+the model itself: its rotary embedding turns the *global* position ids of this rank's tokens
+into cos/sin (rope scaling "linear", "llama3", "yarn" included), which the decoder layers
+hand to the attention. Nothing is imported from `transformers` here; models are recognised
+by class name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from upipe.attention.common import agree_across_ranks, resolve_groups
+from upipe.attention.module import ContextParallelAttention
+from upipe.comm import shard_sequence
+from upipe.loss import IGNORE_INDEX, count_valid, global_token_mean, shift_labels
+from upipe.mesh import mesh_coordinates
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# rope types whose cos/sin depend only on the position (not on the local sequence length)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class HFContextParallelAttention(ContextParallelAttention):
+    """A Hugging Face attention module's projections, run context-parallel.
+
+    Takes over `hf_attn`'s projection (and QK-norm) modules themselves and is called the way
+    the decoder layers call their `self_attn`: `forward(hidden_states, position_embeddings,
+    ...)` with hidden_states `[B, L, D]` (this rank's tokens) and cos/sin `[B or 1, L, d]` for
+    their global positions; returns `(out [B, L, D], None)`. Inputs are validated once per
+    model call by the hook that `apply_context_parallel` puts on the decoder stack.
+    """
+
+    def __init__(self, hf_attn, config, *, group, mesh, strategy, heads_per_stage):
+        q_norm = getattr(hf_attn, "q_norm", None)
+        super().__init__(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            hf_attn.head_dim,
+            group=group,
+            mesh=mesh,
+            layout="contiguous",
+            strategy=strategy,
+            heads_per_stage=heads_per_stage,
+            norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
+            device="meta",  # placeholders, replaced by the model's own modules below
+        )
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, getattr(hf_attn, name))
+        if q_norm is not None:
+            self.q_norm, self.k_norm = q_norm, hf_attn.k_norm
+        self.layer_idx = hf_attn.layer_idx
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        # attention_mask: only the causal mask transformers derives (the input hook rejects
+        # padding); past_key_values: rejected by the input hook too
+        B, L, _ = hidden_states.shape
+        cos, sin = (t.expand(B, L, -1) for t in position_embeddings)
+        return self._attend(hidden_states, cos, sin), None
+
+
+def _check_model(model) -> None:
+    names = [c.__name__ for c in type(model).__mro__]
+    if not any(n in SUPPORTED_ARCHITECTURES for n in names):
+        raise ValueError(
+            f"{type(model).__name__} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    cfg, base = model.config, model.model
+    if any(isinstance(layer.self_attn, HFContextParallelAttention) for layer in base.layers):
+        raise ValueError("apply_context_parallel was already applied to this model")
+    rope_type = base.rotary_emb.rope_type
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported: its cos/sin depend on the local sequence "
+            f"length, which differs from the full one under context parallelism; supported: "
+            f"{STATIC_ROPE_TYPES}"
+        )
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError(
+            f"attention_dropout ({cfg.attention_dropout}) is not supported; set "
+            "model.config.attention_dropout = 0.0"
+        )
+    d = base.layers[0].self_attn.head_dim
+    if base.layers[0].self_attn.scaling != d**-0.5:
+        raise ValueError(
+            f"attention scaling {base.layers[0].self_attn.scaling} differs from head_dim ** -0.5"
+        )
+
+
+def _sliding_window(cfg) -> int | None:
+    """The window of the model's sliding-window layers, or None if it has none."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def _sequence_group(group, mesh):
+    """The process group over all ranks holding one sequence (a mesh's ring x ulysses)."""
+    if group is not None:
+        return group
+    block = mesh["ring", "ulysses"]
+    return (
+        dist.group.WORLD if block.size() == dist.get_world_size() else block._flatten().get_group()
+    )
+
+
+def _block_index(group, mesh) -> tuple[int, int]:
+    """(this rank's block of the contiguous sequence, number of blocks)."""
+    if group is not None:
+        return dist.get_rank(group), dist.get_world_size(group)
+    i, j = mesh_coordinates(mesh)
+    U = mesh["ulysses"].size()
+    return i * U + j, mesh["ring"].size() * U
+
+
+def _input_hook(state):
+    """A forward pre-hook for the decoder stack (`model.model`): checks the call on every
+    rank, and makes every rank raise the same ValueError, before any collective."""
+
+    def hook(module, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        pos = kwargs.get("position_ids")
+        mask = kwargs.get("attention_mask")
+        labels_given, state["labels"] = state["labels"], False
+        block, n_blocks = _block_index(state["group"], state["mesh"])
+
+        def local():
+            if labels_given:
+                raise ValueError(
+                    "labels= would give a loss over this rank's tokens only; call the model "
+                    "without labels and use upipe.integrations.hf.causal_lm_loss(logits, labels, "
+                    "group=...) with labels from shard_batch"
+                )
+            if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+                raise ValueError("past_key_values / use_cache=True (generation) are not supported")
+            if x is None or x.dim() < 2:
+                raise ValueError("pass input_ids [batch, local_seq] or inputs_embeds")
+            B, L = x.shape[:2]
+            if not isinstance(pos, torch.Tensor):
+                raise ValueError(
+                    "position_ids are required: the global positions of this rank's tokens "
+                    "(shard_batch returns them); without them every rank would start at 0"
+                )
+            if pos.dim() != 2 or pos.shape[1] != L or pos.shape[0] not in (1, B):
+                raise ValueError(f"position_ids must be [{B}, {L}], got {tuple(pos.shape)}")
+            if L > 1 and not bool((pos.diff(dim=-1) == 1).all()):
+                raise ValueError(
+                    "position_ids must increase by 1 within a rank's shard: packed sequences "
+                    "(positions restarting per document) are not supported"
+                )
+            if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
+                raise ValueError(
+                    "attention_mask with padding is not supported (causal attention over the "
+                    "whole sequence only); pass attention_mask=None and mark padded positions "
+                    f"with labels = {IGNORE_INDEX}"
+                )
+            S, window = n_blocks * L, state["window"]
+            if window is not None and window < S:
+                raise ValueError(
+                    f"sliding-window attention is not supported: the sequence ({S} tokens) is "
+                    f"longer than config.sliding_window ({window}); use a sequence of at most "
+                    f"{window} tokens or a model without sliding window"
+                )
+
+        def signature():
+            B, L = x.shape[:2]
+            # a sequence continues across the ranks: rank block r starts at offset + r * L
+            offsets = (pos[:, 0] - block * L).tolist()
+            return {"local batch x tokens": (B, L), "position offset": offsets}
+
+        group, cohort = state["agree"] or (state["ulysses"], None)
+        agree_across_ranks(group, local, signature, cohort)
+
+    return hook
+
+
+def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", heads_per_stage=None):
+    """Make a Hugging Face causal LM context-parallel, in place; returns the model.
+
+    Supported: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases),
+    `Qwen3ForCausalLM` (QK-norm). Exactly one of `group` (1-D) or `mesh` (2-D, ring x
+    ulysses, `upipe.make_mesh`). `strategy`: "upipe" (the fused staged op; `heads_per_stage`
+    as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only).
+    Each rank then holds a contiguous block of the sequence (`shard_batch`), calls the model
+    with `position_ids` and without labels, and computes the loss with `causal_lm_loss`.
+    Also switches an "eager" model to "sdpa" (so transformers builds no `[L, L]` mask that
+    would go unused) and sets `config.use_cache = False`. Raises ValueError for unsupported
+    models and options (sliding window shorter than the sequence -- checked per call --,
+    dynamic rope, attention dropout, padding masks, labels=, generation).
+    """
+    _check_model(model)
+    cfg, base = model.config, model.model
+    ulysses, _, _, agree = resolve_groups(group, mesh)
+    for layer in base.layers:
+        layer.self_attn = HFContextParallelAttention(
+            layer.self_attn,
+            cfg,
+            group=group,
+            mesh=mesh,
+            strategy=strategy,
+            heads_per_stage=heads_per_stage,
+        )
+    if getattr(cfg, "_attn_implementation", None) == "eager":
+        model.set_attn_implementation("sdpa")
+    cfg.use_cache = False
+    state = {
+        "group": group,
+        "mesh": mesh,
+        "ulysses": ulysses,
+        "agree": agree,
+        "window": _sliding_window(cfg),
+        "labels": False,
+    }
+
+    def note_labels(module, args, kwargs):
+        state["labels"] = kwargs.get("labels") is not None
+
+    model.register_forward_pre_hook(note_labels, with_kwargs=True)
+    base.register_forward_pre_hook(_input_hook(state), with_kwargs=True)
+    return model
+
+
+def shard_batch(input_ids_BS, *, labels_BS=None, position_ids_BS=None, group=None, mesh=None):
+    """This rank's block of a batch: {"input_ids", "labels", "position_ids"}, each `[B, L]`.
+
+    `input_ids_BS` is the full batch, identical on every rank. Labels are the next tokens
+    (`upipe.loss.shift_labels`, taken *before* sharding, so the last token of a block is
+    labelled with the first of the next) unless given; position ids default to 0 .. S-1.
+    Pass the same group/mesh as to `apply_context_parallel`.
+    """
+    resolve_groups(group, mesh)
+    B, S = input_ids_BS.shape
+    labels_BS = shift_labels(input_ids_BS) if labels_BS is None else labels_BS
+    if position_ids_BS is None:
+        position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+    kw = dict(group=group) if group is not None else dict(mesh=mesh, layout="contiguous")
+    return {
+        "input_ids": shard_sequence(input_ids_BS, **kw),
+        "labels": shard_sequence(labels_BS, **kw),
+        "position_ids": shard_sequence(position_ids_BS, **kw),
+    }
+
+
+def causal_lm_loss(logits_BLV, labels_BL, *, group=None, mesh=None):
+    """Cross-entropy averaged over the valid tokens (labels != -100) of the whole sequence.
+
+    The value is the global mean on every rank; its gradient is this rank's share, so the
+    parameter gradients summed over the ranks are those of the single-process loss.
+    """
+    loss_sum = F.cross_entropy(
+        logits_BLV.flatten(0, 1).float(),
+        labels_BL.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return global_token_mean(loss_sum, count_valid(labels_BL), group=_sequence_group(group, mesh))
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "HFContextParallelAttention",
+    "apply_context_parallel",
+    "causal_lm_loss",
+    "shard_batch",
+]

@@ -1,0 +1,146 @@
+"""Per-rank functions for tests/test_hf.py (module-level so spawned ranks import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# tiny decoders: 8 query heads, 4 kv heads (GQA, and Ulysses at 4 ranks), head dim 8, 2 layers
+BASE_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+ARCHITECTURES = {
+    # llama3 rope scaling: cos/sin must come from the model's own rotary embedding
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            )
+        ),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),  # QK-norm
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),  # sliding_window 4096 > sequence
+}
+SEQ = 64
+BATCH = 2
+
+
+def build_model(arch, seed=0, **overrides):
+    """A small causal LM of `arch` with random weights, biases and norm weights away from
+    their init (zeros/ones) so that they matter; fp32, eval mode (no dropout)."""
+    import transformers
+
+    config_name, model_name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(**{**BASE_CONFIG, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def make_batch(seed=0):
+    gen = torch.Generator().manual_seed(seed + 2)
+    return torch.randint(0, BASE_CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)
+
+
+def reference(arch):
+    """The unmodified model on one process: logits, loss, parameter gradients, state dict."""
+    model = build_model(arch)
+    ids = make_batch()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.logits.detach(), out.loss.detach(), grads, model.state_dict()
+
+
+def run_context_parallel(rank, world_size, arch, strategy, state, load_after, mesh_shape=None):
+    """Forward + backward of the context-parallel model on this rank's block.
+
+    The model is built with other random weights, then the reference `state` is loaded
+    before or after `apply_context_parallel` (`load_after`). Returns (local logits, loss,
+    parameter gradients, parameter names of the converted model, repr of one attention).
+    """
+    import upipe
+    from upipe.integrations.hf import apply_context_parallel, causal_lm_loss, shard_batch
+
+    model = build_model(arch, seed=123)
+    if not load_after:
+        model.load_state_dict(state)
+    if mesh_shape is None:
+        cp = dict(group=dist.group.WORLD)
+    else:
+        cp = dict(mesh=upipe.make_mesh(ring=mesh_shape[0], ulysses=mesh_shape[1]))
+    apply_context_parallel(model, strategy=strategy, **cp)
+    if load_after:
+        model.load_state_dict(state)
+    batch = shard_batch(make_batch(), **cp)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = causal_lm_loss(logits, batch["labels"], **cp)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads, repr(model.model.layers[0].self_attn)
+
+
+def expect_errors(rank, world_size, cases):
+    """Each case (name, what) -> the ValueError message it raised on this rank, or None."""
+    from upipe.integrations.hf import apply_context_parallel, shard_batch
+
+    group = dist.group.WORLD
+    found = {}
+    for name in cases:
+        msg = None
+        try:
+            _error_case(name, group, apply_context_parallel, shard_batch)
+        except ValueError as e:
+            msg = str(e)
+        found[name] = msg
+    return found
+
+
+def _error_case(name, group, apply_context_parallel, shard_batch):
+    if name == "sliding_window":
+        model = apply_context_parallel(build_model("mistral", sliding_window=SEQ // 2), group=group)
+    elif name == "dynamic_rope":
+        rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+        apply_context_parallel(build_model("llama", rope_parameters=rope), group=group)
+    elif name == "unsupported_model":
+        apply_context_parallel(build_model("llama").model, group=group)
+    elif name == "heads":  # a stage of 3 heads does not divide 8 heads over 2 ranks
+        apply_context_parallel(build_model("llama"), group=group, heads_per_stage=3)
+    else:
+        model = apply_context_parallel(build_model("llama"), group=group)
+    batch = shard_batch(make_batch(), group=group)
+    kw = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    if name == "padding":
+        mask = torch.ones_like(batch["input_ids"])
+        mask[:, :3] = 0
+        kw["attention_mask"] = mask
+    elif name == "no_positions":
+        del kw["position_ids"]
+    elif name == "labels":
+        kw["labels"] = batch["labels"]
+    elif name == "packed":  # positions restart mid-shard (a second document)
+        kw["position_ids"] = kw["position_ids"].clone()
+        kw["position_ids"][:, 5:] -= kw["position_ids"][:, 5:6]
+    elif name == "padding_rank0" and dist.get_rank() == 0:  # every rank must still raise
+        kw["attention_mask"] = torch.zeros_like(batch["input_ids"])
+    model(**kw)

@@ -1,0 +1,85 @@
+"""Hugging Face integration: converted models against the unmodified model on one process."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_workers as W  # noqa: E402
+from conftest import TOL, rel_err  # noqa: E402
+
+ARCHS = tuple(W.ARCHITECTURES)
+TOL32 = TOL[torch.float32]
+
+
+@functools.cache
+def _reference(arch):
+    return W.reference(arch)
+
+
+def _check(results, arch):
+    """Logits (blocks concatenated by rank), loss and summed gradients vs the reference."""
+    logits, loss, grads, _ = _reference(arch)
+    errs = {
+        "logits": rel_err(torch.cat([r[0] for r in results], dim=1), logits),
+        "loss": max(abs(r[1].item() - loss.item()) / loss.item() for r in results),
+    }
+    for r in results:  # same parameters, same names: the weights were taken over, not copied
+        assert list(r[2]) == list(grads)
+    errs["grads"] = max(rel_err(sum(r[2][n] for r in results), g) for n, g in grads.items())
+    assert errs["logits"] < TOL32["fwd"], errs
+    assert errs["loss"] < TOL32["fwd"], errs
+    assert errs["grads"] < TOL32["bwd"], errs
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", ["upipe", "ulysses"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_unmodified_model(clusters, arch, strategy, world):
+    # alternate loading the checkpoint before and after the conversion
+    load_after = (ARCHS.index(arch) + world) % 2 == 0
+    state = _reference(arch)[3]
+    results = clusters(world).run(W.run_context_parallel, arch, strategy, state, load_after)
+    assert f"strategy='{strategy}'" in results[0][3]
+    _check(results, arch)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_mesh_2x2_matches_unmodified_model(clusters, arch):
+    state = _reference(arch)[3]
+    results = clusters(4).run(W.run_context_parallel, arch, "upipe", state, False, (2, 2))
+    _check(results, arch)
+
+
+ERRORS = {
+    "sliding_window": "sliding-window attention is not supported",
+    "dynamic_rope": "rope type 'dynamic' is not supported",
+    "unsupported_model": "LlamaModel is not supported",
+    "heads": "heads_per_stage (3)",
+    "padding": "attention_mask with padding is not supported",
+    "padding_rank0": "attention_mask with padding is not supported",
+    "no_positions": "position_ids are required",
+    "labels": "labels= would give a loss over this rank's tokens only",
+    "packed": "packed sequences",
+}
+
+
+def test_unsupported_raise_on_every_rank(clusters):
+    found = clusters(2).run(W.expect_errors, tuple(ERRORS))
+    for rank, by_case in enumerate(found):
+        for case, expected in ERRORS.items():
+            assert by_case[case] is not None, f"rank {rank}: {case} did not raise"
+            assert expected in by_case[case], (rank, case, by_case[case])
+
+
+def test_import_needs_no_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, upipe.integrations.hf; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
