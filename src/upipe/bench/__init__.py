@@ -1,0 +1,224 @@
+"""`upipe bench`: upipe against the real peers, side by side, on identical inputs in one run.
+
+    upipe bench                                         # CPU, 4 gloo ranks, a few minutes
+    upipe bench --seq-lens 4096 8192 16384 --json r.json --plot r.png
+    torchrun --nproc-per-node 8 -m upipe bench --device cuda      # GPUs, NCCL
+
+Compares attention *ops* (q, k, v already projected, `[B, L, H, d]` shards): upipe's own
+ulysses, upipe (several heads_per_stage), ring and usp, and the peers installed from the
+optional `bench` extra (DeepSpeed-Ulysses) or by hand (yunchang, GPU only), plus PyTorch's
+`context_parallel` where the device supports it. A missing or unsupported peer is skipped
+with the reason. Reports per-rank peak memory (`upipe.MemoryTracker`), median
+forward+backward time over interleaved rounds, and each method's error against a float64
+reference; a wrong method is flagged and not ranked. Writes a table, one JSON document and
+a PNG plot. The methods live in `upipe.bench.peers`, the measurement in `upipe.bench.run`;
+only upipe's public API (plus `upipe.launch` and the float64 kernels) is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from upipe.bench.peers import DEFAULT_METHODS, PEERS, make_method
+from upipe.bench.run import TOLERANCE
+
+__all__ = ["BenchConfig", "PEERS", "add_command", "run_bench"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class BenchConfig:
+    nproc: int = 4
+    """CPU ranks (gloo) to spawn; ignored under torchrun (the world size is used)."""
+    seq_lens: tuple[int, ...] = (4096, 8192, 16384)
+    """Full sequence lengths S to measure (each divisible by 2 * nproc)."""
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    """Methods, in table order: ulysses, upipe (U = nproc), upipe:U, ring, usp (ring 2 x
+    ulysses nproc/2), and the peers deepspeed-ulysses, yunchang-ulysses, yunchang-usp,
+    torch-cp. Ratios are against the first upipe entry."""
+    heads: int = 16
+    """Query heads H."""
+    kv_heads: int = 4
+    """Key/value heads G (G < H: grouped-query attention)."""
+    head_dim: int = 32
+    """Head dimension d."""
+    batch: int = 1
+    """Batch size B."""
+    dtype: str = dataclasses.field(
+        default="float32", metadata={"choices": ("float32", "bfloat16", "float16")}
+    )
+    """Input dtype, the same for every method."""
+    causal: bool = True
+    """Causal masking, the same for every method."""
+    repeats: int = 3
+    """Timed rounds (each method once per round, interleaved); the median is reported."""
+    warmup: int = 1
+    """Untimed rounds before the timed ones."""
+    seed: int = 0
+    """Seed of the random inputs."""
+    device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
+    """cpu: spawn nproc gloo ranks here. cuda: run under torchrun (NCCL), one GPU a rank."""
+    json: str = "upipe-bench.json"
+    """Write the JSON document here ('' to skip)."""
+    plot: str = "upipe-bench.png"
+    """Write the PNG plot here ('' to skip)."""
+
+
+def validate(cfg: BenchConfig, nproc: int) -> str | None:
+    """The first problem with `cfg` on `nproc` ranks as a one-line message, or None."""
+    if nproc < 1:
+        return f"--nproc must be >= 1, got {nproc}"
+    bad = [S for S in cfg.seq_lens if S < 1 or S % (2 * nproc)]
+    if bad:
+        return f"--seq-lens {bad} must be multiples of 2 * nproc = {2 * nproc}"
+    if cfg.heads % cfg.kv_heads:
+        return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
+    if cfg.repeats < 1 or cfg.warmup < 0:
+        return f"--repeats must be >= 1 and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
+    for spec in cfg.methods:
+        try:
+            make_method(spec, nproc)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def plan_methods(cfg: BenchConfig, nproc: int, extra=()) -> tuple[list, dict[str, str]]:
+    """The methods that can run here, and {name: reason} for those skipped (static checks:
+    peer installed, device supported, shape allowed at every sequence length)."""
+    methods, skipped = [], {}
+    for m in [make_method(spec, nproc) for spec in cfg.methods] + list(extra):
+        reason = None
+        for S in cfg.seq_lens:
+            reason = m.problem(H=cfg.heads, G=cfg.kv_heads, C=nproc, S=S, device=cfg.device)
+            if reason:
+                break
+        if reason:
+            skipped[m.name] = reason
+        elif m.name not in {x.name for x in methods}:
+            methods.append(m)
+    return methods, skipped
+
+
+def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dict:
+    """Run the benchmark; print the table, write the JSON and the plot; return the document.
+
+    `extra_methods`: more `upipe.bench.peers.Method` instances (importable classes) to run
+    after `cfg.methods` -- e.g. a test's deliberately wrong one.
+    """
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from upipe.bench import report
+    from upipe.bench.run import Plan, drive, in_process_runner, judge
+
+    under_torchrun = cfg.device == "cuda"
+    if under_torchrun:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl")
+        nproc = dist.get_world_size()
+    else:
+        nproc = cfg.nproc
+    problem = validate(cfg, nproc)
+    if problem:
+        raise ValueError(problem)
+    lead = not under_torchrun or dist.get_rank() == 0
+    say = print if lead and not quiet else (lambda *a, **k: None)
+    methods, skipped = plan_methods(cfg, nproc, extra_methods)
+    for name, why in skipped.items():
+        say(f"skipping {name}: {why}", flush=True)
+    if any(m.peer == "deepspeed" for m in methods):
+        say("deepspeed: its first use compiles a CPU extension (minutes, once)", flush=True)
+    plan = Plan(
+        seq_lens=tuple(cfg.seq_lens),
+        nproc=nproc,
+        B=cfg.batch,
+        H=cfg.heads,
+        G=cfg.kv_heads,
+        d=cfg.head_dim,
+        dtype=cfg.dtype,
+        causal=cfg.causal,
+        device=cfg.device,
+        warmup=cfg.warmup,
+        repeats=cfg.repeats,
+        seed=cfg.seed,
+        methods=methods,
+    )
+    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
+    bar = tqdm(total=steps, disable=not lead or quiet, desc="upipe bench", unit="step")
+
+    def tick(text):
+        bar.set_postfix_str(text)
+        bar.update()
+
+    threads = 1
+    if under_torchrun:
+        rows, failed = drive(in_process_runner, plan, tick)
+    else:
+        from upipe.launch import LocalCluster
+
+        with LocalCluster(nproc, timeout_s=3600, pg_timeout_s=600, threads=threads) as cluster:
+            rows, failed = drive(cluster.run, plan, tick)
+    bar.close()
+    skipped.update(failed)
+    ref = next((m.name for m in methods if m.name.startswith("upipe(")), None)
+    judge(rows, cfg.dtype, ref)
+    header = (
+        f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch} "
+        f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}; "
+        f"peak = per-rank max of tensors allocated in fwd+bwd ([B,L,D] = one "
+        f"[B, S/{nproc}, H*d] tensor); median of {cfg.repeats} interleaved rounds; max err = "
+        f"max|x - ref| / max|ref| over out, dq, dk, dv vs float64 (tolerance "
+        f"{TOLERANCE[cfg.dtype]:.0e}); # = rank among correct methods"
+    )
+    doc = {
+        "config": dataclasses.asdict(cfg),
+        "machine": report.machine(cfg.device, nproc, threads, methods),
+        "reference_method": ref,
+        "methods": {
+            **{m.name: {"status": "ran", "version": m.version()} for m in methods},
+            **{n: {"status": "skipped", "reason": why} for n, why in skipped.items()},
+        },
+        "results": rows,
+    }
+    if not lead:
+        return doc
+    say(report.table(rows, skipped, header=header, ref=ref))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        say(f"wrote {os.path.abspath(cfg.json)}")
+    if cfg.plot and rows:
+        report.plot(rows, cfg.plot, title=header[: header.index("; peak")])
+        say(f"wrote {os.path.abspath(cfg.plot)}")
+    return doc
+
+
+def add_command(sub) -> None:
+    """`upipe bench` (see `upipe.cli`)."""
+    from upipe.options import add_dataclass_options
+
+    parser = sub.add_parser(
+        "bench",
+        help="benchmark upipe against DeepSpeed-Ulysses, yunchang, torch context_parallel",
+        description=__doc__.split("\n\n")[0] + " See `upipe.bench` for what is measured.",
+    )
+    add_dataclass_options(parser, BenchConfig)
+    parser.set_defaults(handler=_handle)
+
+
+def _handle(ns, parser) -> int:
+    from upipe.options import config_from_args
+
+    cfg = config_from_args(BenchConfig, ns)
+    nproc = cfg.nproc if cfg.device == "cpu" else int(os.environ.get("WORLD_SIZE", "1"))
+    problem = validate(cfg, nproc)
+    if problem:
+        parser.error(problem)
+    if cfg.device == "cuda" and "RANK" not in os.environ:
+        parser.error(
+            "--device cuda runs under torchrun: torchrun --nproc-per-node N -m upipe bench"
+        )
+    run_bench(cfg)
+    return 0

@@ -1,0 +1,101 @@
+"""The benchmark's outputs: a readable table, the JSON document's machine block, the plot."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import torch
+
+import upipe
+from upipe.bench.peers import Method
+
+
+def machine(device: str, nproc: int, threads: int, methods: list[Method]) -> dict:
+    """Where and with what the benchmark ran: versions of everything compared, the machine."""
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "upipe": upipe.__version__,
+        "device": device,
+        "backend": "nccl" if device == "cuda" else "gloo",
+        "ranks": nproc,
+        "threads_per_rank": threads,
+        "versions": {m.name: m.version() for m in methods},
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | None) -> str:
+    """One block per sequence length, then the skipped methods with their reasons."""
+    lines = [header]
+    if ref:
+        lines.append(
+            f"mem ratio, time ratio = {ref} / this method (> 1: this one is leaner/faster)"
+        )
+    for S in sorted({r["seq_len"] for r in rows}):
+        lines += [
+            "",
+            f"S = {S}",
+            f"{'method':<20}{'peak MiB':>10}{'[B,L,D]':>9}{'median s':>10}{'max err':>9}"
+            f"{'mem #':>6}{'time #':>7}{'mem ratio':>11}{'time ratio':>11}",
+        ]
+        for r in (r for r in rows if r["seq_len"] == S):
+            tail = (
+                ""
+                if r["correct"]
+                else f"  WRONG: error {r['max_rel_err']:.1e} > {r['tolerance']:.0e}, not ranked"
+            )
+            lines.append(
+                f"{r['method']:<20}{r['peak_mib']:>10.1f}{r['peak_units_BLD']:>9.2f}"
+                f"{_fmt(r['median_seconds'], '.2f'):>10}{r['max_rel_err']:>9.1e}"
+                f"{_fmt(r['rank_memory'], 'd'):>6}{_fmt(r['rank_time'], 'd'):>7}"
+                f"{_fmt(r['ref_over_this_memory'], '.3f'):>11}"
+                f"{_fmt(r['ref_over_this_time'], '.3f'):>11}{tail}"
+            )
+    if skipped:
+        lines += ["", "skipped:"]
+        lines += [f"  {name}: {why}" for name, why in skipped.items()]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, *, title: str) -> None:
+    """Peak memory per rank and median fwd+bwd time vs sequence length, a line per method
+    (a method flagged wrong at any length is drawn dashed and labelled so)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["seq_len"])
+        wrong = not all(r["correct"] for r in mine)
+        style = {"linestyle": "--" if wrong else "-", "marker": "o"}
+        label = name + (" (WRONG)" if wrong else "")
+        xs = [r["seq_len"] for r in mine]
+        ax_mem.plot(xs, [r["peak_mib"] for r in mine], label=label, **style)
+        timed = [r for r in mine if r["median_seconds"] is not None]
+        ax_time.plot([r["seq_len"] for r in timed], [r["median_seconds"] for r in timed], **style)
+    for ax, what in ((ax_mem, "peak memory per rank (MiB)"), (ax_time, "median fwd+bwd (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length S (tokens)")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.legend(loc="lower center", ncol=4, frameon=False, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
