@@ -1,4 +1,4 @@
-# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test`.
+# Two commands on a fresh machine:  `make train` (the main job)  and  `make test`.
 # Both create .venv and install upipe with torch pinned (a CPU build where one is available).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,hf]'
 	touch $@
 
-.PHONY: demo test lint
+.PHONY: train demo test lint
+train: $(VENV)/.installed
+	$(VENV)/bin/upipe train
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/upipe demo
 
