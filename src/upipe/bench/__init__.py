@@ -31,7 +31,7 @@ __all__ = ["BenchConfig", "PEERS", "add_command", "run_bench"]
 class BenchConfig:
     nproc: int = 4
     """CPU ranks (gloo) to spawn; ignored under torchrun (the world size is used)."""
-    seq_lens: tuple[int, ...] = (4096, 8192, 16384)
+    seq_lens: tuple[int, ...] = (2048, 4096, 8192)
     """Full sequence lengths S to measure (each divisible by 2 * nproc)."""
     methods: tuple[str, ...] = DEFAULT_METHODS
     """Methods, in table order: ulysses, upipe (U = nproc), upipe:U, ring, usp (ring 2 x
@@ -116,6 +116,9 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     under_torchrun = cfg.device == "cuda"
     if under_torchrun:
         if not dist.is_initialized():
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl")
         nproc = dist.get_world_size()
     else:

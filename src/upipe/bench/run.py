@@ -43,7 +43,7 @@ _STATE: dict = {}
 
 def _device(rank: int, device: str) -> torch.device:
     if device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())  # set from LOCAL_RANK
     return torch.device("cpu")
 
 
@@ -89,10 +89,10 @@ def step_inputs(rank, world_size, shape: dict, seed: int, dtype: str, device: st
     full = [torch.randn(B, S, n, d, generator=gen) for n in (H, G, G, H)]
     _STATE["full"] = [t.to(dev, getattr(torch, dtype)) for t in full]
     _STATE["reference"] = None
-    if rank == 0:
+    if rank == 0:  # on the CPU (the fused CUDA kernels have no float64)
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, world_size))  # the other ranks wait meanwhile
-        q64, k64, v64, do64 = (t.double() for t in _STATE["full"])
+        q64, k64, v64, do64 = (t.cpu().double() for t in _STATE["full"])
         out64, lse = attention_forward(q64, k64, v64, causal=causal)
         grads = attention_backward(do64, q64, k64, v64, out64, lse, causal=causal)
         _STATE["reference"] = (out64, *grads)
@@ -140,7 +140,7 @@ def step_measure(rank, world_size, name: str, causal: bool) -> dict:
     if rank != 0:
         return {}
     errors = {
-        key: ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        key: ((got.cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         for key, got, ref in zip(GRADS, results, _STATE["reference"], strict=True)
     }
     return {"peak_bytes_per_rank": peaks, "rel_err": errors}

@@ -1,0 +1,116 @@
+"""`upipe bench`: a tiny run on 2 gloo ranks; verdicts, skipped peers, the CLI's validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import upipe.bench.peers as peers
+from upipe.bench import BenchConfig, plan_methods, run_bench
+from upipe.bench.peers import UpipeMethod
+from upipe.bench.run import judge
+from upipe.cli import main
+
+
+class WrongUlysses(UpipeMethod):
+    """Ulysses with its output scaled by 1.5: a method that computes a wrong answer."""
+
+    def __init__(self):
+        super().__init__("ulysses")
+        self.name = "wrong-ulysses"
+
+    def __call__(self, q_BLHd, k_BLGd, v_BLGd, *, causal):
+        return 1.5 * super().__call__(q_BLHd, k_BLGd, v_BLGd, causal=causal)
+
+
+def test_tiny_run(tmp_path):
+    cfg = BenchConfig(
+        nproc=2,
+        seq_lens=(64, 128),
+        methods=("ulysses", "upipe", "upipe:4", "ring", "usp", "yunchang-usp", "torch-cp"),
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        repeats=1,
+        warmup=0,
+        json=str(tmp_path / "bench.json"),
+        plot=str(tmp_path / "bench.png"),
+    )
+    doc = run_bench(cfg, extra_methods=[WrongUlysses()], quiet=True)
+    assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(doc))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"config", "machine", "methods", "results", "reference_method"} <= set(doc)
+    assert doc["machine"]["torch"] and doc["machine"]["backend"] == "gloo"
+    assert doc["reference_method"] == "upipe(U=2)"
+
+    ours = ["ulysses", "upipe(U=2)", "upipe(U=4)", "ring", "usp"]
+    for name in [*ours, "wrong-ulysses"]:
+        assert doc["methods"][name]["status"] == "ran", name
+    # on CPU the peers that cannot run are skipped with the reason, not an error
+    assert doc["methods"]["yunchang-usp"] == {
+        "status": "skipped",
+        "reason": peers.YUNCHANG_CPU_REASON,
+    }
+    assert doc["methods"]["torch-cp"]["status"] == "skipped"
+    assert "context_parallel" in doc["methods"]["torch-cp"]["reason"]
+
+    rows = doc["results"]
+    assert {(r["seq_len"], r["method"]) for r in rows} == {
+        (S, m) for S in (64, 128) for m in [*ours, "wrong-ulysses"]
+    }
+    for r in rows:
+        assert len(r["peak_bytes_per_rank"]) == 2 and r["median_seconds"] > 0
+        if r["method"] == "wrong-ulysses":
+            assert not r["correct"] and r["rel_err"]["out"] > 0.1
+            assert r["rank_memory"] is None and r["rank_time"] is None
+            assert r["ref_over_this_memory"] is None
+        else:
+            assert r["correct"] and r["max_rel_err"] < 1e-5, r
+            assert r["rank_memory"] in range(1, 6) and r["rank_time"] in range(1, 6)
+        if r["method"] == "upipe(U=2)":
+            assert r["ref_over_this_memory"] == r["ref_over_this_time"] == 1.0
+
+
+def test_missing_peer_is_skipped_with_a_message(monkeypatch):
+    monkeypatch.setattr(peers, "installed_version", lambda package: None)
+    cfg = BenchConfig(nproc=2, seq_lens=(64,), methods=("ulysses", "deepspeed-ulysses"))
+    methods, skipped = plan_methods(cfg, 2)
+    assert [m.name for m in methods] == ["ulysses"]
+    assert "deepspeed is not installed" in skipped["deepspeed-ulysses"]
+    assert "pip install 'upipe[bench]'" in skipped["deepspeed-ulysses"]
+
+
+def test_judge_ranks_only_correct_methods():
+    def row(method, err, units, seconds):
+        return {
+            "seq_len": 8,
+            "method": method,
+            "max_rel_err": err,
+            "peak_units_BLD": units,
+            "median_seconds": seconds,
+        }
+
+    rows = [row("upipe(U=2)", 1e-7, 4.0, 2.0), row("fast-wrong", 0.5, 1.0, 1.0)]
+    rows.append(row("peer", 1e-7, 8.0, 1.0))
+    judge(rows, "float32", "upipe(U=2)")
+    upipe_row, wrong, peer = rows
+    assert not wrong["correct"] and wrong["rank_memory"] is None and wrong["rank_time"] is None
+    assert upipe_row["rank_memory"] == 1 and peer["rank_memory"] == 2
+    assert peer["rank_time"] == 1 and upipe_row["rank_time"] == 2
+    assert peer["ref_over_this_memory"] == 0.5 and peer["ref_over_this_time"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-lens", "100"], "multiples of 2 * nproc"),
+        (["--methods", "megatron"], "unknown method 'megatron'"),
+        (["--kv-heads", "3"], "must divide --heads"),
+    ],
+)
+def test_cli_rejects_bad_options(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
