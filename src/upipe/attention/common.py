@@ -110,7 +110,7 @@ def agree_across_ranks(group, local_check, signature_fn, cohort=None) -> None:
     except (TypeError, ValueError) as e:
         error = e
     C = dist.get_world_size(group)
-    if C == 1:
+    if C == 1 or dist.get_backend(group) == "fake":  # simulated peers: all of them are this rank
         if error is not None:
             raise error
         return

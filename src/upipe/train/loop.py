@@ -23,7 +23,7 @@ from upipe.attention.schedule import check_heads_per_stage
 from upipe.loss import count_valid, global_token_mean
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
-from upipe.model import PRESETS, CausalLM, get_config
+from upipe.model import PRESETS, CausalLM, ModelConfig, get_config
 from upipe.train.data import VOCAB_SIZE, PackedTokens
 from upipe.train.parallelize import (
     STRATEGIES,
@@ -115,9 +115,10 @@ class TrainConfig:
         )
 
 
-def validate(cfg: TrainConfig, world: int) -> str | None:
-    """The first problem with `cfg` on `world` processes, as a message naming the fix."""
-    m = get_config(cfg.model)
+def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> str | None:
+    """The first problem with `cfg` on `world` processes, as a message naming the fix
+    (`model`: the model's shapes, if not those of the preset `cfg.model`)."""
+    m = model or get_config(cfg.model)
     for name in ("nproc", "seq_len", "batch_size", "steps", "mlp_tile", "loss_chunk"):
         if getattr(cfg, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
@@ -181,18 +182,25 @@ def _storage_bytes(tensors) -> int:
 class Trainer:
     """Model, optimizer, data and checkpoints of one rank (default process group set up)."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device):
+    def __init__(self, cfg: TrainConfig, device: torch.device, *, mesh=None, model_config=None):
+        """`mesh`: the (dp, ring, ulysses) mesh of `cfg.degrees`, if the caller built it
+        (the planner does, outside `FakeTensorMode`); by default it is built here.
+        `model_config`: a `ModelConfig` to build instead of the preset `cfg.model`."""
         self.cfg, self.device = cfg, device
-        world = dist.get_world_size()
-        dp, ring, uly = cfg.degrees(world)
-        self.mesh = make_mesh(ulysses=uly, ring=ring, dp=dp, device_type=device.type)
+        if mesh is None:
+            dp, ring, uly = cfg.degrees(dist.get_world_size())
+            mesh = make_mesh(ulysses=uly, ring=ring, dp=dp, device_type=device.type)
+        dp = mesh["dp"].size()
+        self.mesh = mesh
         self.cp = context_parallel(cfg.strategy, self.mesh)
         self.dp, self.dp_rank = dp, self.mesh.get_local_rank("dp")
-        model = CausalLM(get_config(cfg.model))
+        model = CausalLM(model_config or get_config(cfg.model))
         model.init_weights(cfg.seed)
         parallelize(model, self.cp, heads_per_stage=cfg.heads_per_stage)
         apply_memory_features(model, cfg.features(), device)
-        model.to(device=device, dtype=DTYPES[cfg.dtype])
+        dtype = DTYPES[cfg.dtype]
+        if any(p.device != device or p.dtype != dtype for p in model.parameters()):
+            model.to(device=device, dtype=dtype)  # (fake tensors cannot be moved: built in place)
         if cfg.fsdp:
             apply_fsdp(model, self.mesh)
         self.model = model
@@ -356,6 +364,7 @@ def plot_loss(history: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["loss"] for r in history], marker="." if len(steps) < 50 else None)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

@@ -1,0 +1,287 @@
+"""`upipe plan`: the longest sequence each strategy can train on given GPUs, by simulation.
+
+For every strategy (and with / without the memory features) the planner simulates rank 0's
+training step (`upipe.memory.step.StepSimulator`: the code of `upipe train` under fake
+tensors) and searches the longest sequence, a multiple of the granularity, whose device peak
+plus the reserve fits the GPU memory. Peak memory grows with the sequence length, so the
+search brackets the boundary (secant guesses on the measured peaks, then bisection) and
+returns it exactly on the granularity.
+
+The reserve (default 5 GiB of 80) stands for what no tensor shows: the CUDA context and
+kernels (about 0.5-1 GiB), NCCL's communication buffers (about 1 GiB), kernel workspaces and
+the caching allocator's fragmentation (a few per cent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+
+from upipe.model import PRESETS
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(kw_only=True)
+class PlanConfig:
+    model: str = dataclasses.field(default="llama3-8b", metadata={"choices": sorted(PRESETS)})
+    """Model preset."""
+    model_config: str | None = None
+    """JSON file of ModelConfig fields (overrides the preset's)."""
+    gpus: int = 8
+    """Number of GPUs (ranks)."""
+    gpu_memory_gib: float = 80.0
+    """Memory per GPU in GiB."""
+    reserve_gib: float = 5.0
+    """Memory per GPU that tensors cannot use (CUDA context, NCCL buffers, fragmentation)."""
+    granularity: int = 65536
+    """Sequence lengths searched are multiples of this."""
+    max_seq_len: int = 16 * 2**20
+    """Longest sequence considered."""
+    strategies: tuple[str, ...] = ("none", "ulysses", "ring", "usp", "upipe")
+    """Strategies to plan (upipe once per --heads-per-stage)."""
+    heads_per_stage: tuple[int, ...] = (1, 2)
+    """UPipe heads per stage, in multiples of the ulysses size."""
+    features: tuple[str, ...] = ("off", "on")
+    """Memory features: off, on (tiled MLP, chunked loss, checkpointing, offload)."""
+    mlp_tile: int = 16384
+    """Tokens per MLP tile (with features)."""
+    loss_chunk: int = 8192
+    """Tokens per cross-entropy chunk (with features)."""
+    fsdp: bool = True
+    """Shard parameters, gradients and optimizer states (FSDP2) over all GPUs."""
+    dtype: str = dataclasses.field(
+        default="bfloat16", metadata={"choices": ("bfloat16", "float32")}
+    )
+    """Parameter and activation dtype."""
+    extrapolate: bool = False
+    """Simulate 2 and 3 layers and extrapolate (faster, approximate); default: full depth."""
+    json: str | None = None
+    """Write the results here (JSON)."""
+    plot: str | None = None
+    """Write peak memory vs sequence length per strategy here (PNG)."""
+
+
+def max_fitting(peak: Callable[[int], float], budget: float, step: int, max_len: int):
+    """Largest multiple S of `step` (<= max_len) with peak(S) <= budget, for a `peak` that
+    does not decrease with S; 0 if not even `step` fits. Returns (S, {S: peak(S) measured}).
+
+    Guesses come from the line through the last two measurements (the peak is close to
+    linear in S), clamped inside the bracket, with bisection when a guess does not shrink it
+    by half; the answer is exact: S fits and S + step does not (or S is the limit).
+    """
+    seen: dict[int, float] = {}
+
+    def fits(k):
+        if k * step not in seen:
+            seen[k * step] = peak(k * step)
+        return seen[k * step] <= budget
+
+    k_max = max_len // step
+    if k_max < 1 or not fits(1):
+        return 0, seen
+    lo, hi = 1, k_max + 1  # lo fits; hi does not (k_max + 1: beyond the limit)
+    prev = None
+    while hi - lo > 1:
+        pts = sorted(seen.items())
+        guess = None
+        if len(pts) >= 2:
+            (s0, p0), (s1, p1) = (prev or pts[-2]), (lo * step, seen[lo * step])
+            if s1 != s0 and p1 != p0:
+                slope = (p1 - p0) / (s1 - s0)
+                if slope > 0:
+                    guess = int((s1 + (budget - p1) / slope) // step)
+        if guess is None:
+            guess = min(2 * lo, hi - 1) if hi > k_max else (lo + hi) // 2
+        guess = min(max(guess, lo + 1), hi - 1)
+        prev = (lo * step, seen[lo * step])
+        if fits(guess):
+            lo = guess
+            if hi - lo > 1 and not fits(lo + 1):
+                hi = lo + 1
+            elif hi - lo > 1:
+                lo += 1
+        else:
+            hi = guess
+            if hi - lo > 1 and fits(hi - 1):
+                lo = hi - 1
+            elif hi - lo > 2:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+    return lo * step, seen
+
+
+def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
+    """(label, TrainConfig fields, problem or None) of each strategy x features asked for."""
+    from upipe.train.loop import TrainConfig, validate
+
+    rows = []
+    for strategy in pc.strategies:
+        stages = pc.heads_per_stage if strategy == "upipe" else (None,)
+        for mult in stages:
+            for feat in pc.features:
+                kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
+                kw["seq_len"] = pc.granularity
+                if strategy == "none":
+                    kw["dp"] = pc.gpus
+                label = strategy
+                if mult is not None:
+                    uly = TrainConfig(**kw).degrees(pc.gpus)[2]
+                    kw["heads_per_stage"] = mult * uly
+                    label = f"upipe U={mult * uly}"
+                if feat == "on":
+                    kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile, chunked_loss=True)
+                    kw.update(loss_chunk=pc.loss_chunk, checkpoint=True, offload=True)
+                label += " +features" if feat == "on" else ""
+                cfg = TrainConfig(**kw, plot=None)
+                rows.append((label, kw, validate(cfg, pc.gpus, model)))
+    return rows
+
+
+def plan(pc: PlanConfig, progress=None) -> dict:
+    """Search every candidate of `pc`; returns the JSON-ready results."""
+    from upipe.memory.step import StepSimulator
+    from upipe.model import get_config
+    from upipe.train.loop import TrainConfig
+
+    model = get_config(pc.model)
+    if pc.model_config:
+        with open(pc.model_config) as f:
+            model = dataclasses.replace(model, **json.load(f))
+    budget = (pc.gpu_memory_gib - pc.reserve_gib) * GiB
+    if budget <= 0:
+        raise ValueError(f"--reserve-gib {pc.reserve_gib} leaves nothing of {pc.gpu_memory_gib}")
+    out = {"config": dataclasses.asdict(pc), "budget_bytes": budget, "strategies": []}
+    for label, kw, problem in candidates(pc, model):
+        row = {"strategy": label, "train_config": kw, "problem": problem}
+        out["strategies"].append(row)
+        if problem:
+            continue
+        cfg = TrainConfig(**kw, plot=None)
+        multiple = pc.gpus * 2  # ring / zigzag layouts need 2 chunks per rank
+        step = pc.granularity * multiple // math.gcd(pc.granularity, multiple)
+        with StepSimulator(cfg, pc.gpus, model, depths=(2, 3) if pc.extrapolate else None) as sim:
+            mems = {}
+
+            def peak(S, sim=sim, mems=mems, label=label):
+                mems[S] = sim.step(S)
+                if progress:
+                    progress(label, S, mems[S].peak_bytes)
+                return mems[S].peak_bytes
+
+            best, _ = max_fitting(peak, budget, step, pc.max_seq_len)
+            if best:
+                mems[best] = sim.step(best, explain=True)
+        row["max_seq_len"] = best
+        row["points"] = [
+            {
+                "seq_len": S,
+                "peak_bytes": m.peak_bytes,
+                "host_bytes": m.host_peak_bytes,
+                "phase_bytes": m.phase_bytes,
+            }
+            for S, m in sorted(mems.items())
+        ]
+        if best:
+            m = mems[best]
+            row["host_bytes_at_max"] = m.host_peak_bytes
+            row["at_peak"] = [[n, what] for n, what in m.at_peak[:6]]
+    return out
+
+
+def table(res: dict) -> str:
+    """The results as a text table: max context, peak there, host RAM, top tensor."""
+    lines = [
+        f"budget per GPU: {res['budget_bytes'] / GiB:.1f} GiB of tensors "
+        f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve)",
+        f"{'strategy':28} {'max context':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
+    ]
+    for r in res["strategies"]:
+        if r["problem"]:
+            lines.append(f"{r['strategy']:28} {'n/a':>12}  {r['problem']}")
+            continue
+        S = r["max_seq_len"]
+        pts = {p["seq_len"]: p for p in r["points"]}
+        if not S:
+            lines.append(f"{r['strategy']:28} {'does not fit':>12}")
+            continue
+        top = r["at_peak"][0][1] if r["at_peak"] else ""
+        lines.append(
+            f"{r['strategy']:28} {S / 2**20:>10.3f}M {pts[S]['peak_bytes'] / GiB:>9.1f} "
+            f"{r['host_bytes_at_max'] / GiB:>9.1f}  {top}"
+        )
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    """Peak memory vs sequence length per strategy, with the budget line (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in res["strategies"]:
+        if r.get("points"):
+            pts = sorted((p["seq_len"], p["peak_bytes"]) for p in r["points"])
+            ax.plot(
+                [s / 2**20 for s, _ in pts], [b / GiB for _, b in pts], ".-", label=r["strategy"]
+            )
+    ax.axhline(res["budget_bytes"] / GiB, color="k", ls="--", label="budget")
+    ax.set_xlabel("sequence length (M tokens)")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    c = res["config"]
+    ax.set_title(f"{c['model']} on {c['gpus']} x {c['gpu_memory_gib']:g} GiB", fontsize=9)
+    ax.set_ylim(0, 1.5 * res["budget_bytes"] / GiB)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_command(sub) -> None:
+    """`upipe plan` (see `upipe.cli`)."""
+    from upipe.options import add_dataclass_options
+
+    parser = sub.add_parser(
+        "plan",
+        help="longest trainable context per strategy on given GPUs (simulated, no GPU needed)",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_dataclass_options(parser, PlanConfig)
+    parser.set_defaults(handler=_handle)
+
+
+def _handle(ns, parser) -> int:
+    from tqdm import tqdm
+
+    from upipe.options import config_from_args
+
+    pc = config_from_args(PlanConfig, ns)
+    if pc.gpus < 1 or pc.granularity < 1 or pc.gpu_memory_gib <= 0:
+        parser.error("--gpus, --granularity and --gpu-memory-gib must be positive")
+    bar = tqdm(desc="plan", unit="step")
+
+    def progress(label, S, peak):
+        bar.set_postfix_str(f"{label} S={S} peak={peak / GiB:.1f}GiB")
+        bar.update()
+
+    try:
+        res = plan(pc, progress)
+    except ValueError as e:
+        bar.close()
+        parser.error(str(e))
+    bar.close()
+    print(table(res))
+    if pc.json:
+        with open(pc.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if pc.plot:
+        plot(res, pc.plot)
+    return 0

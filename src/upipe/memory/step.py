@@ -1,0 +1,327 @@
+"""One rank's training step under fake tensors: the memory of `upipe train` without the GPUs.
+
+`StepSimulator(cfg, world)` builds rank 0 of a `world`-rank job with the very code of
+`upipe train` (`upipe.train.Trainer`: device mesh, model, parallelize step, memory features,
+FSDP2, AdamW) inside `FakeTensorMode` on the fake process-group backend
+(`upipe.memory.simulate`), then `step(seq_len)` runs one training step -- forward, backward,
+optimizer -- and measures that rank's memory the way `Trainer.step` does on CPU: persistent
+bytes (parameters, optimizer states) plus the step's peak of live storages. Nothing is
+allocated and nothing is computed; a step costs a fraction of a millisecond per operator.
+
+What the simulation replaces, and why it does not change the memory:
+- The device is a fake *CPU* (fake CUDA tensors crash the backward on a CPU-only build).
+  Memory is counted per storage, so the device type does not matter -- except that the CPU
+  attention kernel stands in for the CUDA one: the CPU flash kernel and flash-attn both take
+  GQA natively and return an fp32 log-sum-exp, so their buffers agree.
+- Activation offload keeps the checkpointed block inputs on the *meta* device: those copies
+  are counted apart as host bytes (`host_peak_bytes`), the rest is device memory.
+- Data-dependent scalars have no value under fake tensors; `_DataFree` answers them:
+  `.item()` gives 1 (the loss printed, the token count checked > 0, AdamW's step count in
+  its bias correction: none of them shapes a tensor), and `nonzero()` takes every element as
+  non-zero (the chunked loss's valid rows: all of them but a sequence's last).
+- RMSNorm runs as CUDA's fused kernel would (`kernels="cuda"`, the default): the CPU build's
+  composite RMSNorm saves fp32 copies of its input, CUDA's `_fused_rms_norm` only x and the
+  per-row rstd. Kernel workspaces that never become tensors (flash attention's internal
+  buffers, cuBLAS workspaces) are not seen here or by `Trainer.step`: the planner's reserve
+  covers them.
+- The batch is synthetic (ids, labels and positions `[B, L]` int64, as on the device).
+- The optimizer states are created by one unmeasured optimizer step on zero gradients, so
+  the measured step is a steady-state step (states persistent, gradients set to None).
+- On CUDA, AdamW defaults to its foreach implementation, which briefly holds one extra
+  state-sized temporary during the optimizer step; the fake CPU runs the per-parameter loop.
+  The optimizer phase is reported apart (`phase_bytes`) so this can be judged: at long
+  sequences the backward, not the optimizer step, sets the peak.
+
+Legend: B batch, S sequence, L = S / C tokens per rank, C context-parallel size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import weakref
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from upipe.memory.simulate import fake_process_group
+from upipe.memory.tracker import MemoryTracker
+
+HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
+
+
+class _DataFree(torch.utils._python_dispatch.TorchDispatchMode):
+    """Answers the data-dependent operators of fake tensors (see the module doc); operators
+    on real tensors only (the device mesh's rank tables) run for real."""
+
+    _LIFT = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        fake = any(isinstance(t, FakeTensor) for t in tensors)
+        if tensors and not fake and func not in self._LIFT:
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if fake and func is torch.ops.aten._local_scalar_dense.default:
+            return True if args[0].dtype == torch.bool else 1
+        if fake and func is torch.ops.aten.nonzero.default:
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.int64, device=x.device)
+        return func(*args, **kwargs)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """The memory of CUDA's fused RMSNorm (`aten._fused_rms_norm`): forward saves x and the
+    fp32 per-row rstd `[..., 1]`; backward makes dx and dweight. (The CPU build runs the
+    composite, which saves several fp32 copies of x.) Values are not computed."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        rstd = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight)
+
+
+def _fused_rms_norm_forward(norm: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return _FusedRMSNorm.apply(x, norm.weight)
+
+
+class StepTracker(MemoryTracker):
+    """`MemoryTracker` that keeps host bytes (storages on `HOST_DEVICE`) apart from device
+    bytes, records the device peak per phase ("forward", "backward" -- inside the autograd
+    engine, recomputation included -- and "optimizer", set by the caller), and with
+    `explain` keeps the largest live storages at the device peak."""
+
+    def __init__(self, *, explain: bool = False):
+        super().__init__()
+        self.phase = "forward"
+        self.phase_peak_bytes: dict[str, int] = {}
+        self.host_bytes = self.host_peak_bytes = 0
+        self._host: dict[int, int] = {}
+        self._op = None
+        self._what: dict[int, str] | None = {} if explain else None
+        self.at_peak: list[tuple[int, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._op = func
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _free_host(self, key: int) -> None:
+        self.host_bytes -= self._host.pop(key, 0)
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._live or key in self._host:
+            return
+        nbytes = storage.nbytes()
+        if t.device.type == HOST_DEVICE:
+            self._host[key] = nbytes
+            weakref.finalize(storage, self._free_host, key)
+            self.host_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            return
+        self._live[key] = nbytes
+        weakref.finalize(storage, self._free, key)
+        self.current_bytes += nbytes
+        if self._what is not None:
+            self._what[key] = f"{self._op} {list(t.shape)} {str(t.dtype)[6:]}"
+        phase = self.phase
+        if phase != "optimizer" and torch._C._current_graph_task_id() != -1:
+            phase = "backward"
+        if self.current_bytes > self.phase_peak_bytes.get(phase, -1):
+            self.phase_peak_bytes[phase] = self.current_bytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            if self._what is not None:
+                self.at_peak = sorted(
+                    ((n, self._what.get(k, "?")) for k, n in self._live.items()), reverse=True
+                )
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepMemory:
+    """Memory of one training step on one rank (bytes)."""
+
+    seq_len: int
+    """Tokens per sequence (all ranks together)."""
+    peak_bytes: int
+    """Device peak of all live storages over the step (persistent ones included)."""
+    persistent_bytes: int
+    """Live before the step: parameters, optimizer states (this rank's shards under FSDP)
+    and any buffer kept between steps."""
+    host_peak_bytes: int
+    """Peak of the offloaded copies in host memory."""
+    phase_bytes: dict[str, int]
+    """The device peak reached in each phase (forward, backward, optimizer)."""
+    at_peak: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    """With explain: the storages live at the device peak, largest first (bytes, the op
+    that made it, shape, dtype), if it was allocated during the step."""
+
+
+class StepSimulator:
+    """Rank 0 of `world` ranks running `cfg` (a `TrainConfig`; its seq_len is replaced by
+    `step`'s), built once and stepped at any sequence length. Use as a context manager: it
+    holds the process's default (fake) process group while open.
+
+    `depths`: simulate models of these numbers of layers and extrapolate linearly to the
+    model's depth, phase by phase (default: the full depth, no extrapolation). All blocks are
+    identical, so in each phase every term of the live memory -- saved activations,
+    parameter, gradient and optimizer-state shards, offloaded inputs -- is a per-block amount
+    times the number of blocks plus a constant, and two depths fix both; the overall peak
+    is the largest phase. `tests/test_plan.py` checks it against full-depth runs.
+    """
+
+    def __init__(self, cfg, world: int, model=None, *, kernels: str = "cuda", depths=None):
+        """`model`: a `ModelConfig` to build instead of the preset `cfg.model`. `kernels`:
+        "cuda" gives kernels whose CPU version allocates differently their CUDA footprint
+        (RMSNorm); "cpu" runs the CPU build's kernels as `upipe train` does on CPU."""
+        from upipe.model import get_config
+        from upipe.train.loop import DTYPES, validate
+
+        if kernels not in ("cuda", "cpu"):
+            raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
+        self.cfg, self.world, self.kernels = cfg, world, kernels
+        self.model_config = model or get_config(cfg.model)
+        n = self.model_config.n_layers
+        self.depths = tuple(sorted(set(depths))) if depths and max(depths) < n else (n,)
+        if len(self.depths) not in (1, 2) or min(self.depths) < 1:
+            raise ValueError(f"depths must be two layer counts >= 1, got {depths}")
+        problem = validate(cfg, world, self.model_config)
+        if problem:
+            raise ValueError(problem)
+        self.dtype = DTYPES[cfg.dtype]
+        self._stack = contextlib.ExitStack()
+        self.trainers = {}
+
+    def __enter__(self):
+        from torch._subclasses import FakeTensorMode
+
+        from upipe.mesh import make_mesh
+
+        cfg, stack = self.cfg, self._stack
+        try:
+            stack.enter_context(fake_process_group(self.world, rank=0))
+            dp, ring, uly = cfg.degrees(self.world)
+            mesh = make_mesh(ulysses=uly, ring=ring, dp=dp)  # real tensors: outside fake mode
+            if cfg.fsdp and mesh.ndim > 1:
+                mesh._flatten(
+                    "fsdp"
+                )  # (apply_fsdp's flattened mesh, made here for the same reason)
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(_DataFree())
+            for n in self.depths:
+                self.trainers[n] = self._build(mesh, n)
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def _build(self, mesh, n_layers: int):
+        """A Trainer of `n_layers` blocks with its own tracker, after one warm-up step."""
+        from upipe.train.loop import Trainer
+
+        cfg = dataclasses.replace(self.cfg, data=__file__)  # never read: synthetic batches
+        model_config = dataclasses.replace(self.model_config, n_layers=n_layers)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # fake parameters cannot be cast: make them so
+        mem = StepTracker()  # counts everything this trainer ever allocates
+        try:
+            with mem:
+                trainer = Trainer(cfg, torch.device("cpu"), mesh=mesh, model_config=model_config)
+        finally:
+            torch.set_default_dtype(default)
+        trainer.tracker = mem
+        model = trainer.model
+        if cfg.offload:
+            model.offload = HOST_DEVICE  # upipe train offloads to "cpu" when on CUDA
+        if self.kernels == "cuda":  # per instance: the parameters stay where FSDP put them
+            for norm in model.modules():
+                if isinstance(norm, torch.nn.RMSNorm):
+                    norm.forward = types.MethodType(_fused_rms_norm_forward, norm)
+        trainer.batch = types.MethodType(_synthetic_batch, trainer)
+        # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
+        _measure(trainer, self._shortest())
+        return trainer
+
+    def _shortest(self) -> int:
+        from upipe.train.loop import validate
+
+        for seq_len in range(2 * self.world, 10**6, 2 * self.world):
+            cfg = dataclasses.replace(self.cfg, seq_len=seq_len)
+            if validate(cfg, self.world, self.model_config) is None:
+                return seq_len
+        raise ValueError(f"no valid sequence length for {self.cfg.strategy} on {self.world}")
+
+    def __exit__(self, *exc):
+        self.trainers = {}
+        self._stack.close()
+
+    def step(self, seq_len: int, *, explain: bool = False) -> StepMemory:
+        """Memory of one training step at `seq_len` tokens per sequence."""
+        from upipe.train.loop import validate
+
+        problem = validate(
+            dataclasses.replace(self.cfg, seq_len=seq_len), self.world, self.model_config
+        )
+        if problem:
+            raise ValueError(problem)
+        runs = [_measure(self.trainers[n], seq_len, explain) for n in self.depths]
+        if len(runs) == 1:
+            return runs[0]
+        (n0, n1), N = self.depths, self.model_config.n_layers
+
+        def at_depth(a: int, b: int) -> int:
+            return b + (b - a) * (N - n1) // (n1 - n0)
+
+        phases = {
+            k: at_depth(runs[0].phase_bytes.get(k, 0), v) for k, v in runs[1].phase_bytes.items()
+        }
+        return StepMemory(
+            seq_len=seq_len,
+            peak_bytes=max(phases.values()),
+            persistent_bytes=at_depth(runs[0].persistent_bytes, runs[1].persistent_bytes),
+            host_peak_bytes=at_depth(runs[0].host_peak_bytes, runs[1].host_peak_bytes),
+            phase_bytes=phases,
+            at_peak=runs[1].at_peak,
+        )
+
+
+def _synthetic_batch(trainer, step: int):
+    """(input_ids, labels, position_ids) `[B, L]` of `trainer.cfg.seq_len`, as on a device."""
+    B, S = trainer.cfg.batch_size, trainer.cfg.seq_len
+    pos_L = trainer.cp.positions(S)
+    ids = torch.zeros(B, pos_L.numel(), dtype=torch.int64)
+    return ids, torch.zeros_like(ids), pos_L.expand(B, -1).contiguous()
+
+
+def _measure(trainer, seq_len: int, explain: bool = False) -> StepMemory:
+    """One step of `trainer` at `seq_len`: the peak of every live storage it allocated
+    (parameters, optimizer states, any buffer kept between steps, and the step's own)."""
+    trainer.cfg = dataclasses.replace(trainer.cfg, seq_len=seq_len)
+    mem = trainer.tracker
+    persistent = mem.current_bytes
+    mem.peak_bytes, mem.phase_peak_bytes, mem.host_peak_bytes = persistent, {}, mem.host_bytes
+    mem.phase, mem._what, mem.at_peak = "forward", ({} if explain else None), []
+    with mem:
+        trainer.forward_backward(0)
+        mem.phase = "optimizer"
+        trainer.optimizer_step()
+    mem._what = None
+    return StepMemory(
+        seq_len=seq_len,
+        peak_bytes=mem.peak_bytes,
+        persistent_bytes=persistent,
+        host_peak_bytes=mem.host_peak_bytes,
+        phase_bytes=dict(mem.phase_peak_bytes),
+        at_peak=mem.at_peak,
+    )

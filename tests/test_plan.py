@@ -1,0 +1,74 @@
+"""The planner: simulated memory equals a real run's; the search finds the exact boundary."""
+
+from __future__ import annotations
+
+import pytest
+from plan_workers import real_peak
+from train_workers import small_config
+
+from upipe.memory.plan import PlanConfig, max_fitting, plan, table
+from upipe.memory.step import StepSimulator
+
+
+@pytest.mark.parametrize(
+    "peak",
+    [
+        lambda S: 3 * S + 100,  # linear
+        lambda S: S * S / 1000 + S,  # convex
+        lambda S: 50 * (S // 700) + S,  # steps
+        lambda S: 2000 if S > 5000 else S // 10,  # a cliff
+    ],
+)
+@pytest.mark.parametrize("step", [64, 256])
+def test_search_finds_the_exact_boundary(peak, step):
+    budget, limit = 7000, 40000
+    best, seen = max_fitting(peak, budget, step, limit)
+    expect = max(
+        (k * step for k in range(1, limit // step + 1) if peak(k * step) <= budget), default=0
+    )
+    assert best == expect and best % step == 0
+    assert len(seen) <= 16  # a search, not a scan
+    values = [peak(k * step) for k in range(1, limit // step + 1)]
+    assert values == sorted(values)  # the functions searched are monotonic
+
+
+def test_search_edges():
+    assert max_fitting(lambda S: S, 10, 64, 10_000)[0] == 0  # not even one granule fits
+    assert max_fitting(lambda S: S, 10**9, 64, 1000)[0] == 960  # capped by the limit
+
+
+CASES = [
+    ("ulysses", {}),
+    ("upipe", {"fsdp": True}),
+    ("ring", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 128}),
+    ("upipe", {"checkpoint": True, "chunked_loss": True, "loss_chunk": 128, "fsdp": True}),
+]
+
+
+@pytest.mark.parametrize("strategy,kw", CASES)
+def test_simulated_peak_equals_real_run(clusters, strategy, kw):
+    """Same config, 2 gloo ranks for real vs rank 0 simulated under fake tensors (CPU
+    kernels, as in the real run): per-rank peak within 2%."""
+    cfg = small_config(strategy=strategy, nproc=2, **kw)
+    seq_lens = [512, 2048]
+    real = clusters(2).run(real_peak, cfg, seq_lens)[0]
+    with StepSimulator(cfg, 2, kernels="cpu") as sim:
+        simulated = [sim.step(S).peak_bytes for S in seq_lens]
+    for r, s in zip(real, simulated, strict=True):
+        assert abs(s - r) <= 0.02 * r, (real, simulated)
+
+
+def test_plan_end_to_end_small():
+    pc = PlanConfig(
+        model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
+        max_seq_len=8192, strategies=("ulysses", "upipe"), heads_per_stage=(1,), features=("on",),
+        mlp_tile=256, loss_chunk=256,
+    )  # fmt: skip
+    res = plan(pc)
+    rows = res["strategies"]
+    assert [r["strategy"] for r in rows] == ["ulysses +features", "upipe U=2 +features"]
+    for r in rows:
+        S = r["max_seq_len"]
+        pts = {p["seq_len"]: p["peak_bytes"] for p in r["points"]}
+        assert 0 < S < 8192 and pts[S] <= res["budget_bytes"] < pts[S + 256]
+    assert "upipe U=2" in table(res)
