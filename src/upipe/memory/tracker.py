@@ -12,6 +12,11 @@ to allocator rounding and the kernels' internal workspaces.
     with MemoryTracker() as mem:
         loss = model(x).sum(); loss.backward()
     mem.peak_bytes
+
+Storages resized in place (`UntypedStorage.resize_`, which FSDP2 uses to free and re-allocate
+its unsharded parameters around every all-gather) are followed too: while a tracker is
+active, `torch.UntypedStorage.resize_` is wrapped to report the new size (restored on exit).
+A storage allocated before the region and grown inside it counts from then on.
 """
 
 from __future__ import annotations
@@ -19,8 +24,33 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+_ACTIVE: list[MemoryTracker] = []  # trackers inside their `with` block (innermost last)
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _tracked_resize(storage, nbytes):
+    old = storage.nbytes()
+    out = _ORIGINAL_RESIZE(storage, nbytes)
+    for tracker in _ACTIVE:
+        tracker._resized(storage, old, storage.nbytes())
+    return out
+
+
+def _plain_tensors(tree):
+    """The strided tensors holding memory in `tree`: a wrapper subclass such as DTensor
+    has no memory of its own (its storage would claim the *global* size), so its inner
+    tensors (a DTensor's local shard) stand for it."""
+    for t in tree_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from _plain_tensors([getattr(t, n) for n in names])
+        elif t.layout == torch.strided:
+            yield t
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -61,17 +91,25 @@ class MemoryTracker(TorchDispatchMode):
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
+    def _resized(self, storage, old: int, new: int) -> None:
+        key = storage._cdata
+        if key not in self._live:
+            if new <= old:
+                return  # shrinking a storage this region never counted
+            self._live[key] = old  # allocated before the region: counted from its growth on
+            self.current_bytes += old
+            weakref.finalize(storage, self._free, key)
+        self.current_bytes += new - self._live[key]
+        if key in self._counted:
+            self.counted_bytes += new - self._live[key]
+        self._live[key] = new
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # views and in-place ops return an input's storage: not an allocation of this region
-        inputs = {
-            t.untyped_storage()._cdata
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided
-        }
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                continue
+        inputs = {t.untyped_storage()._cdata for t in _plain_tensors((args, kwargs))}
+        for t in _plain_tensors(out):
             key = t.untyped_storage()._cdata
             if key not in inputs:
                 self._track(t)
@@ -87,10 +125,16 @@ class MemoryTracker(TorchDispatchMode):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_base = torch.cuda.memory_allocated(self.device)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _tracked_resize
+        _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
