@@ -29,3 +29,36 @@ def test_autograd_region_matches_hand_count():
         (x * 2).exp().sum().backward()
     assert mem.peak_bytes == 2 * x.numel() * 4 + 8
     assert mem.current_bytes == x.numel() * 4  # x.grad
+
+
+def test_storage_resizes_are_followed():
+    # FSDP2 frees an unsharded parameter with storage.resize_(0) and re-allocates it in place
+    t = torch.empty(100)  # 400 B allocated before the region
+    with MemoryTracker() as mem:
+        t.untyped_storage().resize_(800)  # grown inside: counted from here on
+        assert mem.current_bytes == 800
+        t.untyped_storage().resize_(0)
+        assert mem.current_bytes == 0
+        u = torch.empty(50)
+        u.untyped_storage().resize_(0)
+        u.untyped_storage().resize_(200)
+    assert mem.peak_bytes == 800 and mem.current_bytes == 200
+    assert torch.UntypedStorage.resize_ is not None and "tracked" not in str(
+        torch.UntypedStorage.resize_
+    )  # the wrapper is removed on exit
+
+
+def test_dtensor_counts_its_local_shard():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from upipe.memory.simulate import fake_process_group
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (4,))
+        full = torch.zeros(64, 8)
+        with MemoryTracker() as mem:
+            shard = distribute_tensor(full, mesh, [Shard(0)])  # 16 x 8 fp32 per rank
+            state = torch.zeros_like(shard)  # an optimizer state: another local shard
+        assert mem.current_bytes == 2 * 16 * 8 * 4, mem.current_bytes
+        del shard, state
