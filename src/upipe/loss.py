@@ -75,12 +75,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for s in range(0, h_ND.shape[0], ctx.chunk):
             h_nD, y_n = h_ND[s : s + ctx.chunk], labels_N[s : s + ctx.chunk]
             dz_nV = torch.softmax(F.linear(h_nD, weight_VD).float(), dim=-1)
-            valid_n = y_n != ctx.ignore_index
-            rows = valid_n.nonzero().squeeze(1)
-            dz_nV[rows, y_n[rows]] -= 1
-            dz_nV *= valid_n.unsqueeze(1) * grad
+            valid_n1 = (y_n != ctx.ignore_index).unsqueeze(1)
+            # - onehot(y) on valid rows, without a data-dependent index (no device sync)
+            dz_nV.scatter_add_(1, y_n.clamp_min(0).unsqueeze(1), -valid_n1.to(dz_nV.dtype))
+            dz_nV *= valid_n1 * grad
             if dh_ND is not None:
-                dh_ND[s : s + ctx.chunk] = (dz_nV @ weight_VD.float()).to(h_ND.dtype)
+                # in the weights' dtype (bf16 inputs, fp32 accumulation): no fp32 copy of W
+                dh_ND[s : s + ctx.chunk] = (dz_nV.to(weight_VD.dtype) @ weight_VD).to(h_ND.dtype)
             if dW_VD is not None:
                 dW_VD.addmm_(dz_nV.T, h_nD.float())
             del dz_nV
