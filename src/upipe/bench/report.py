@@ -79,10 +79,17 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in dict.fromkeys(r["method"] for r in rows):
+    markers = "osD^vPX*"
+    for i, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["seq_len"])
         wrong = not all(r["correct"] for r in mine)
-        style = {"linestyle": "--" if wrong else "-", "marker": "o"}
+        # methods with equal memory overlap: shrinking markers keep each one visible
+        style = {
+            "linestyle": "--" if wrong else "-",
+            "marker": markers[i % len(markers)],
+            "markersize": max(3, 11 - 1.2 * i),
+            "markerfacecolor": "none",
+        }
         label = name + (" (WRONG)" if wrong else "")
         xs = [r["seq_len"] for r in mine]
         ax_mem.plot(xs, [r["peak_mib"] for r in mine], label=label, **style)
