@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from plan_workers import real_peak
 from train_workers import small_config
 
-from upipe.memory.plan import PlanConfig, max_fitting, plan, table
+from upipe.memory.plan import EXTRAPOLATION_DEPTHS, PlanConfig, max_fitting, plan, table
 from upipe.memory.step import StepSimulator
 
 
@@ -43,6 +45,29 @@ CASES = [
     ("ring", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 128}),
     ("upipe", {"checkpoint": True, "chunked_loss": True, "loss_chunk": 128, "fsdp": True}),
 ]
+
+
+@pytest.mark.parametrize(
+    "strategy,kw",
+    [
+        ("ulysses", {}),
+        ("ulysses", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 256, "fsdp": True,
+                     "chunked_loss": True, "loss_chunk": 256, "offload": True}),
+        ("upipe", {"checkpoint": True, "fsdp": True}),
+        ("ring", {"tiled_mlp": True, "mlp_tile": 256}),
+    ],
+)  # fmt: skip
+def test_extrapolated_depth_equals_full_depth(strategy, kw):
+    """The planner's shortcut: 3 and 4 blocks extrapolated to 8 give the 8-block peak."""
+    from upipe.model import get_config
+
+    model = dataclasses.replace(get_config("tiny"), n_layers=8)
+    cfg = small_config(strategy=strategy, nproc=4, **kw)
+    with StepSimulator(cfg, 4, model) as full:
+        want = [full.step(S).peak_bytes for S in (1024, 4096)]
+    with StepSimulator(cfg, 4, model, depths=EXTRAPOLATION_DEPTHS) as short:
+        got = [short.step(S).peak_bytes for S in (1024, 4096)]
+    assert got == want
 
 
 @pytest.mark.parametrize("strategy,kw", CASES)
