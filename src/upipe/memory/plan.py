@@ -64,6 +64,8 @@ class PlanConfig:
     extrapolate: bool = True
     """Simulate 3 and 4 blocks and extrapolate linearly to the model's depth (exact in every
     configuration checked, about 5x faster); --no-extrapolate simulates every block."""
+    jobs: int = 2
+    """Candidates simulated at once, each in a process of its own (one per CPU core)."""
     json: str | None = None
     """Write the results here (JSON)."""
     plot: str | None = None
@@ -150,10 +152,10 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
 
 
 def plan(pc: PlanConfig, progress=None) -> dict:
-    """Search every candidate of `pc`; returns the JSON-ready results."""
-    from upipe.memory.step import StepSimulator
+    """Search every candidate of `pc` (`pc.jobs` at a time, each in a process of its own);
+    returns the JSON-ready results. `progress(label, S, peak_bytes)` is called after each
+    simulated step (one job) or each finished candidate (several jobs)."""
     from upipe.model import get_config
-    from upipe.train.loop import TrainConfig
 
     model = get_config(pc.model)
     if pc.model_config:
@@ -162,30 +164,57 @@ def plan(pc: PlanConfig, progress=None) -> dict:
     budget = (pc.gpu_memory_gib - pc.reserve_gib) * GiB
     if budget <= 0:
         raise ValueError(f"--reserve-gib {pc.reserve_gib} leaves nothing of {pc.gpu_memory_gib}")
+    if pc.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {pc.jobs}")
     out = {"config": dataclasses.asdict(pc), "budget_bytes": budget, "strategies": []}
+    todo = []
     for label, kw, problem in candidates(pc, model):
-        row = {"strategy": label, "train_config": kw, "problem": problem}
-        out["strategies"].append(row)
-        if problem:
-            continue
-        cfg = TrainConfig(**kw, plot=None)
-        multiple = pc.gpus * 2  # ring / zigzag layouts need 2 chunks per rank
-        step = pc.granularity * multiple // math.gcd(pc.granularity, multiple)
-        depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None
-        with StepSimulator(cfg, pc.gpus, model, depths=depths) as sim:
-            mems = {}
+        out["strategies"].append({"strategy": label, "train_config": kw, "problem": problem})
+        if not problem:
+            todo.append((out["strategies"][-1], label, kw))
+    if pc.jobs == 1 or len(todo) < 2:
+        for row, label, kw in todo:
+            row.update(_search(pc, model, budget, label, kw, progress))
+        return out
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            def peak(S, sim=sim, mems=mems, label=label):
-                mems[S] = sim.step(S)
-                if progress:
-                    progress(label, S, mems[S].peak_bytes)
-                return mems[S].peak_bytes
+    with ProcessPoolExecutor(min(pc.jobs, len(todo)), mp_context=mp.get_context("spawn")) as ex:
+        futures = {ex.submit(_search, pc, model, budget, label, kw): row for row, label, kw in todo}
+        for future in as_completed(futures):
+            row = futures[future]
+            row.update(future.result())
+            if progress:
+                best = row["max_seq_len"]
+                at = {p["seq_len"]: p["peak_bytes"] for p in row["points"]}
+                progress(row["strategy"], best, at.get(best, min(at.values(), default=0)))
+    return out
 
-            best, _ = max_fitting(peak, budget, step, pc.max_seq_len)
-            if best:
-                mems[best] = sim.step(best, explain=True)
-        row["max_seq_len"] = best
-        row["points"] = [
+
+def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress=None) -> dict:
+    """The longest fitting sequence of one candidate, with the peaks measured on the way."""
+    from upipe.memory.step import StepSimulator
+    from upipe.train.loop import TrainConfig
+
+    cfg = TrainConfig(**kw, plot=None)
+    multiple = pc.gpus * 2  # ring / zigzag layouts need 2 chunks per rank
+    step = pc.granularity * multiple // math.gcd(pc.granularity, multiple)
+    depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None
+    mems = {}
+    with StepSimulator(cfg, pc.gpus, model, depths=depths) as sim:
+
+        def peak(S):
+            mems[S] = sim.step(S)
+            if progress:
+                progress(label, S, mems[S].peak_bytes)
+            return mems[S].peak_bytes
+
+        best, _ = max_fitting(peak, budget, step, pc.max_seq_len)
+        if best:
+            mems[best] = sim.step(best, explain=True)
+    row = {
+        "max_seq_len": best,
+        "points": [
             {
                 "seq_len": S,
                 "peak_bytes": m.peak_bytes,
@@ -193,12 +222,12 @@ def plan(pc: PlanConfig, progress=None) -> dict:
                 "phase_bytes": m.phase_bytes,
             }
             for S, m in sorted(mems.items())
-        ]
-        if best:
-            m = mems[best]
-            row["host_bytes_at_max"] = m.host_peak_bytes
-            row["at_peak"] = [[n, what] for n, what in m.at_peak[:6]]
-    return out
+        ],
+    }
+    if best:
+        row["host_bytes_at_max"] = mems[best].host_peak_bytes
+        row["at_peak"] = [[n, what] for n, what in mems[best].at_peak[:6]]
+    return row
 
 
 def table(res: dict) -> str:
@@ -273,7 +302,7 @@ def _handle(ns, parser) -> int:
     pc = config_from_args(PlanConfig, ns)
     if pc.gpus < 1 or pc.granularity < 1 or pc.gpu_memory_gib <= 0:
         parser.error("--gpus, --granularity and --gpu-memory-gib must be positive")
-    bar = tqdm(desc="plan", unit="step")
+    bar = tqdm(desc="plan", unit="step" if pc.jobs == 1 else "candidate")
 
     def progress(label, S, peak):
         bar.set_postfix_str(f"{label} S={S} peak={peak / GiB:.1f}GiB")
