@@ -21,9 +21,10 @@ What the simulation replaces, and why it does not change the memory:
   non-zero (the chunked loss's valid rows: all of them but a sequence's last).
 - RMSNorm runs as CUDA's fused kernel would (`kernels="cuda"`, the default): the CPU build's
   composite RMSNorm saves fp32 copies of its input, CUDA's `_fused_rms_norm` only x and the
-  per-row rstd. Kernel workspaces that never become tensors (flash attention's internal
-  buffers, cuBLAS workspaces) are not seen here or by `Trainer.step`: the planner's reserve
-  covers them.
+  per-row rstd. Likewise the attention backward is charged flash-attn 2's in-kernel
+  buffers (an fp32 dq accumulator, and for GQA dk/dv expanded to the query heads; see
+  `StepTracker`), which the CPU kernel does not allocate. Smaller workspaces (cuBLAS, the
+  forward's) are left to the planner's reserve.
 - The batch is synthetic (ids, labels and positions `[B, L]` int64, as on the device).
 - The optimizer states are created by one unmeasured optimizer step on zero gradients, so
   the measured step is a steady-state step (states persistent, gradients set to None).
@@ -99,10 +100,20 @@ class StepTracker(MemoryTracker):
     """`MemoryTracker` that keeps host bytes (storages on `HOST_DEVICE`) apart from device
     bytes, records the device peak per phase ("forward", "backward" -- inside the autograd
     engine, recomputation included -- and "optimizer", set by the caller), and with
-    `explain` keeps the largest live storages at the device peak."""
+    `explain` keeps the largest live storages at the device peak.
 
-    def __init__(self, *, explain: bool = False):
+    `cuda_workspaces`: also count, while the attention backward kernel runs, the buffers that
+    flash-attn 2's backward allocates inside the kernel (on top of dq, dk, dv): the fp32 dq
+    accumulator, q-shaped `[B, S, h, d]` (4 bytes per element), and for GQA dk and dv
+    expanded to the query heads before they are summed (2 x q-shaped in q's dtype). The CPU
+    kernel that runs here has neither, but on a GPU they are real memory at long context.
+    """
+
+    _ATTN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+    def __init__(self, *, explain: bool = False, cuda_workspaces: bool = False):
         super().__init__()
+        self.cuda_workspaces = cuda_workspaces
         self.phase = "forward"
         self.phase_peak_bytes: dict[str, int] = {}
         self.host_bytes = self.host_peak_bytes = 0
@@ -113,7 +124,25 @@ class StepTracker(MemoryTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._op = func
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.cuda_workspaces and func is self._ATTN_BWD:
+            _, q, k = args[:3]  # [B, h, S, d] / [B, hk, S, d]
+            extra = q.numel() * 4 + (
+                2 * q.numel() * q.element_size() if k.shape[1] < q.shape[1] else 0
+            )
+            self._transient(extra)
+        return out
+
+    def _transient(self, nbytes: int) -> None:
+        """A buffer of `nbytes` that lives only inside the op just run (a kernel workspace)."""
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        phase = self.phase if self.phase == "optimizer" else "backward"
+        self.phase_peak_bytes[phase] = max(self.phase_peak_bytes.get(phase, 0), self.current_bytes)
+        if self._what is not None and self.peak_bytes == self.current_bytes:
+            live = ((n, self._what.get(k, "?")) for k, n in self._live.items())
+            self.at_peak = sorted([*live, (nbytes, "flash-attn backward workspace")], reverse=True)
+        self.current_bytes -= nbytes
 
     def _free_host(self, key: int) -> None:
         self.host_bytes -= self._host.pop(key, 0)
@@ -234,7 +263,8 @@ class StepSimulator:
         model_config = dataclasses.replace(self.model_config, n_layers=n_layers)
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # fake parameters cannot be cast: make them so
-        mem = StepTracker()  # counts everything this trainer ever allocates
+        # counts everything this trainer ever allocates
+        mem = StepTracker(cuda_workspaces=self.kernels == "cuda")
         try:
             with mem:
                 trainer = Trainer(cfg, torch.device("cpu"), mesh=mesh, model_config=model_config)
