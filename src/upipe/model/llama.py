@@ -128,7 +128,11 @@ class CausalLM(nn.Module):
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
+                p.copy_(
+                    torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(
+                        0.0, 0.02, generator=gen
+                    )
+                )
 
     def hidden(self, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
         h_BLD = self.model.embed_tokens(input_ids_BL)

@@ -194,13 +194,18 @@ class Trainer:
         self.mesh = mesh
         self.cp = context_parallel(cfg.strategy, self.mesh)
         self.dp, self.dp_rank = dp, self.mesh.get_local_rank("dp")
-        model = CausalLM(model_config or get_config(cfg.model))
+        # built in place on the device in the training dtype (no full fp32 copy on the host;
+        # fake tensors in the planner cannot be moved either), then initialised from the seed
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(DTYPES[cfg.dtype])
+        try:
+            with torch.device(device):
+                model = CausalLM(model_config or get_config(cfg.model))
+        finally:
+            torch.set_default_dtype(default_dtype)
         model.init_weights(cfg.seed)
         parallelize(model, self.cp, heads_per_stage=cfg.heads_per_stage)
         apply_memory_features(model, cfg.features(), device)
-        dtype = DTYPES[cfg.dtype]
-        if any(p.device != device or p.dtype != dtype for p in model.parameters()):
-            model.to(device=device, dtype=dtype)  # (fake tensors cannot be moved: built in place)
         if cfg.fsdp:
             apply_fsdp(model, self.mesh)
         self.model = model
