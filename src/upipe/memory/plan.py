@@ -235,7 +235,7 @@ def table(res: dict) -> str:
     lines = [
         f"budget per GPU: {res['budget_bytes'] / GiB:.1f} GiB of tensors "
         f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve)",
-        f"{'strategy':28} {'max context':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
+        f"{'strategy':28} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
     ]
     for r in res["strategies"]:
         if r["problem"]:
@@ -248,7 +248,7 @@ def table(res: dict) -> str:
             continue
         top = r["at_peak"][0][1] if r["at_peak"] else ""
         lines.append(
-            f"{r['strategy']:28} {S / 2**20:>10.3f}M {pts[S]['peak_bytes'] / GiB:>9.1f} "
+            f"{r['strategy']:28} {S / 1e6:>10.2f}M {pts[S]['peak_bytes'] / GiB:>9.1f} "
             f"{r['host_bytes_at_max'] / GiB:>9.1f}  {top}"
         )
     return "\n".join(lines)
@@ -265,11 +265,9 @@ def plot(res: dict, path: str) -> None:
     for r in res["strategies"]:
         if r.get("points"):
             pts = sorted((p["seq_len"], p["peak_bytes"]) for p in r["points"])
-            ax.plot(
-                [s / 2**20 for s, _ in pts], [b / GiB for _, b in pts], ".-", label=r["strategy"]
-            )
+            ax.plot([s / 1e6 for s, _ in pts], [b / GiB for _, b in pts], ".-", label=r["strategy"])
     ax.axhline(res["budget_bytes"] / GiB, color="k", ls="--", label="budget")
-    ax.set_xlabel("sequence length (M tokens)")
+    ax.set_xlabel("sequence length (millions of tokens)")
     ax.set_ylabel("peak memory per GPU (GiB)")
     c = res["config"]
     ax.set_title(f"{c['model']} on {c['gpus']} x {c['gpu_memory_gib']:g} GiB", fontsize=9)

@@ -140,7 +140,9 @@ class StepTracker(MemoryTracker):
         phase = self.phase if self.phase == "optimizer" else "backward"
         self.phase_peak_bytes[phase] = max(self.phase_peak_bytes.get(phase, 0), self.current_bytes)
         if self._what is not None and self.peak_bytes == self.current_bytes:
-            live = ((n, self._what.get(k, "?")) for k, n in self._live.items())
+            live = (
+                (n, self._what.get(k, "(kept from before the step)")) for k, n in self._live.items()
+            )
             self.at_peak = sorted([*live, (nbytes, "flash-attn backward workspace")], reverse=True)
         self.current_bytes -= nbytes
 
@@ -173,7 +175,11 @@ class StepTracker(MemoryTracker):
             self.peak_bytes = self.current_bytes
             if self._what is not None:
                 self.at_peak = sorted(
-                    ((n, self._what.get(k, "?")) for k, n in self._live.items()), reverse=True
+                    (
+                        (n, self._what.get(k, "(kept from before the step)"))
+                        for k, n in self._live.items()
+                    ),
+                    reverse=True,
                 )
 
 
