@@ -262,10 +262,15 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {}  # one color per strategy; solid with the memory features, dotted without
     for r in res["strategies"]:
         if r.get("points"):
+            base = r["strategy"].replace(" +features", "")
+            color = colors.setdefault(base, f"C{len(colors)}")
+            style = ".-" if base != r["strategy"] else ".:"
             pts = sorted((p["seq_len"], p["peak_bytes"]) for p in r["points"])
-            ax.plot([s / 1e6 for s, _ in pts], [b / GiB for _, b in pts], ".-", label=r["strategy"])
+            xs, ys = [s / 1e6 for s, _ in pts], [b / GiB for _, b in pts]
+            ax.plot(xs, ys, style, color=color, label=r["strategy"])
     ax.axhline(res["budget_bytes"] / GiB, color="k", ls="--", label="budget")
     ax.set_xlabel("sequence length (millions of tokens)")
     ax.set_ylabel("peak memory per GPU (GiB)")

@@ -17,8 +17,8 @@ What the simulation replaces, and why it does not change the memory:
   are counted apart as host bytes (`host_peak_bytes`), the rest is device memory.
 - Data-dependent scalars have no value under fake tensors; `_DataFree` answers them:
   `.item()` gives 1 (the loss printed, the token count checked > 0, AdamW's step count in
-  its bias correction: none of them shapes a tensor), and `nonzero()` takes every element as
-  non-zero (the chunked loss's valid rows: all of them but a sequence's last).
+  its bias correction: none of them shapes a tensor). The step has no other
+  data-dependent operator (the chunked loss needs no `nonzero`).
 - RMSNorm runs as CUDA's fused kernel would (`kernels="cuda"`, the default): the CPU build's
   composite RMSNorm saves fp32 copies of its input, CUDA's `_fused_rms_norm` only x and the
   per-row rstd. Likewise the attention backward is charged flash-attn 2's in-kernel
@@ -69,9 +69,6 @@ class _DataFree(torch.utils._python_dispatch.TorchDispatchMode):
                 return func(*args, **kwargs)
         if fake and func is torch.ops.aten._local_scalar_dense.default:
             return True if args[0].dtype == torch.bool else 1
-        if fake and func is torch.ops.aten.nonzero.default:
-            x = args[0]
-            return torch.empty((x.numel(), x.dim()), dtype=torch.int64, device=x.device)
         return func(*args, **kwargs)
 
 
