@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--strategies", nargs="+", default=["none", "ulysses", "upipe"])
+    ap.add_argument("--strategies", nargs="*", default=["none", "ulysses", "upipe"])
     ap.add_argument("--features", default=",".join(FEATURES), help="comma-separated; '' none")
     ap.add_argument("--features-strategy", default="upipe")
     ap.add_argument("--feature-steps", type=int, default=2)

@@ -137,7 +137,13 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                 kw["seq_len"] = pc.granularity
                 if strategy == "none":
                     kw["dp"] = pc.gpus
-                label = strategy
+                if strategy == "usp":  # Ulysses over as many GPUs as kv heads allow, ring across
+                    uly = math.gcd(pc.gpus, model.n_kv_heads)
+                    uly = uly if uly < pc.gpus else max(1, uly // 2)
+                    kw["ring"] = pc.gpus // uly
+                label = (
+                    strategy if strategy != "usp" else f"usp {kw['ring']}x{pc.gpus // kw['ring']}"
+                )
                 if mult is not None:
                     uly = TrainConfig(**kw).degrees(pc.gpus)[2]
                     kw["heads_per_stage"] = mult * uly
