@@ -186,7 +186,11 @@ def test_group_must_be_a_process_group():
 
 
 MODULE_BAD = [
-    (dict(dim=32, num_heads=4, num_kv_heads=2, strategy="ring"), r"unknown strategy 'ring'"),
+    (dict(dim=32, num_heads=4, num_kv_heads=2, strategy="striped"), r"unknown strategy 'striped'"),
+    (
+        dict(dim=32, num_heads=4, num_kv_heads=2, strategy="ring", heads_per_stage=4),
+        r"heads_per_stage applies to strategy='upipe' only",
+    ),
     (
         dict(dim=48, num_heads=6, num_kv_heads=2),
         r"num_heads \(6\) must be divisible by the "
