@@ -39,7 +39,7 @@ def _under_torchrun() -> bool:
 
 def _handle(ns, parser) -> int:
     from upipe.options import config_from_args
-    from upipe.train.data import _files
+    from upipe.train.data import corpus_files
     from upipe.train.loop import validate
 
     cfg = config_from_args(TrainConfig, ns, plot=ns.plot or None)
@@ -51,7 +51,7 @@ def _handle(ns, parser) -> int:
         )
     if problem is None:
         try:
-            _files(cfg.data)
+            corpus_files(cfg.data)
         except ValueError as e:
             problem = str(e)
     if problem:

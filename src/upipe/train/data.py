@@ -32,7 +32,9 @@ def default_corpus() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def _files(spec: str | None) -> list[Path]:
+def corpus_files(spec: str | None) -> list[Path]:
+    """The files of `--data` (comma-separated files or directories; None: the default
+    corpus); ValueError naming the entry that does not exist or holds nothing."""
     if spec is None:
         return default_corpus()
     files = []
@@ -71,7 +73,7 @@ class PackedTokens:
     """The token stream of a corpus, read lazily up to the furthest token asked for."""
 
     def __init__(self, data: str | None = None, *, seed: int = 0):
-        self.files = _files(data)
+        self.files = corpus_files(data)
         random.Random(seed).shuffle(self.files)
         self._chunks: list[torch.Tensor] = []
         self._length = 0

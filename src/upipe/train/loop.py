@@ -165,7 +165,7 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
         return "--offload keeps the checkpointed block inputs on the host; add --checkpoint"
     if cfg.resume and not cfg.checkpoint_dir:
         return "--resume needs --checkpoint-dir"
-    if cfg.model == "tiny" or m.vocab_size >= VOCAB_SIZE:
+    if m.vocab_size >= VOCAB_SIZE:
         return None
     return f"{cfg.model} has a vocabulary of {m.vocab_size} < {VOCAB_SIZE} byte tokens"
 
