@@ -27,6 +27,7 @@ GiB = 2**30
 # overestimate with the memory features (29.97 vs 19.66 GiB, llama3-8b at 512K on 8 ranks),
 # 3 and 4 match the full depth exactly (tests/test_plan.py, docs/plan.md)
 EXTRAPOLATION_DEPTHS = (3, 4)
+GROWTH = 4  # the search's longest jump beyond a length known to fit
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -76,51 +77,46 @@ def max_fitting(peak: Callable[[int], float], budget: float, step: int, max_len:
     """Largest multiple S of `step` (<= max_len) with peak(S) <= budget, for a `peak` that
     does not decrease with S; 0 if not even `step` fits. Returns (S, {S: peak(S) measured}).
 
-    Guesses come from the line through the last two measurements (the peak is close to
-    linear in S), clamped inside the bracket, with bisection when a guess does not shrink it
-    by half; the answer is exact: S fits and S + step does not (or S is the limit).
+    Long sequences are the expensive ones to simulate, so the search walks up from short ones:
+    each guess is where the line through the last two measurements meets the budget (the peak
+    is piecewise linear in S: every tensor grows linearly with the tokens, the peak is the
+    largest sum), at most `GROWTH` times the longest length known to fit, kept inside the
+    bracket, and replaced by bisection when two guesses in a row failed to halve it. The
+    answer is exact: S fits and S + step does not (or S is the limit). A linear peak takes
+    4 evaluations.
     """
     seen: dict[int, float] = {}
 
-    def fits(k):
+    def value(k: int) -> float:
         if k * step not in seen:
             seen[k * step] = peak(k * step)
-        return seen[k * step] <= budget
+        return seen[k * step]
 
     k_max = max_len // step
-    if k_max < 1 or not fits(1):
+    if k_max < 1 or value(1) > budget:
         return 0, seen
     lo, hi = 1, k_max + 1  # lo fits; hi does not (k_max + 1: beyond the limit)
-    prev = None
+    order, slow = [1], 0
     while hi - lo > 1:
-        pts = sorted(seen.items())
         guess = None
-        if len(pts) >= 2:
-            (s0, p0), (s1, p1) = (prev or pts[-2]), (lo * step, seen[lo * step])
-            if s1 != s0 and p1 != p0:
-                slope = (p1 - p0) / (s1 - s0)
-                if slope > 0:
-                    guess = int((s1 + (budget - p1) / slope) // step)
-        if guess is None:
-            guess = min(2 * lo, hi - 1) if hi > k_max else (lo + hi) // 2
-        guess = min(max(guess, lo + 1), hi - 1)
-        prev = (lo * step, seen[lo * step])
-        if fits(guess):
+        if len(order) >= 2:
+            a, b = order[-2], order[-1]
+            slope = (value(b) - value(a)) / (b - a)
+            if slope > 0:
+                guess = math.floor(b + (budget - value(b)) / slope)
+        bracketed = hi <= k_max
+        if guess is None:  # flat so far: grow
+            guess = GROWTH * lo
+        if bracketed and slow >= 2:
+            guess, slow = (lo + hi) // 2, 0
+        guess = min(max(guess, lo + 1), hi - 1, GROWTH * lo)
+        width = hi - lo
+        if value(guess) <= budget:
             lo = guess
-            if hi - lo > 1 and not fits(lo + 1):
-                hi = lo + 1
-            elif hi - lo > 1:
-                lo += 1
         else:
             hi = guess
-            if hi - lo > 1 and fits(hi - 1):
-                lo = hi - 1
-            elif hi - lo > 2:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid
+        order.append(guess)
+        slow = slow + 1 if bracketed and 2 * (hi - lo) > width else 0
     return lo * step, seen
 
 
