@@ -133,15 +133,23 @@ class StepTracker(MemoryTracker):
     def _transient(self, nbytes: int) -> None:
         """A buffer of `nbytes` that lives only inside the op just run (a kernel workspace)."""
         self.current_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        phase = self.phase if self.phase == "optimizer" else "backward"
-        self.phase_peak_bytes[phase] = max(self.phase_peak_bytes.get(phase, 0), self.current_bytes)
-        if self._what is not None and self.peak_bytes == self.current_bytes:
-            live = (
-                (n, self._what.get(k, "(kept from before the step)")) for k, n in self._live.items()
-            )
-            self.at_peak = sorted([*live, (nbytes, "flash-attn backward workspace")], reverse=True)
+        self._grew((nbytes, "flash-attn backward workspace"))
         self.current_bytes -= nbytes
+
+    def _grew(self, transient: tuple[int, str] | None = None) -> None:
+        """The device peak, per phase, and with `explain` what is live at the overall peak
+        (`transient`: a workspace counted in `current_bytes` but not among the storages)."""
+        phase = self.phase
+        if phase != "optimizer" and torch._C._current_graph_task_id() != -1:
+            phase = "backward"
+        if self.current_bytes > self.phase_peak_bytes.get(phase, -1):
+            self.phase_peak_bytes[phase] = self.current_bytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            if self._what is not None:
+                before = "(kept from before the step)"
+                live = [(n, self._what.get(k, before)) for k, n in self._live.items()]
+                self.at_peak = sorted(live + ([transient] if transient else []), reverse=True)
 
     def _free_host(self, key: int) -> None:
         self.host_bytes -= self._host.pop(key, 0)
@@ -151,33 +159,16 @@ class StepTracker(MemoryTracker):
         key = storage._cdata
         if key in self._live or key in self._host:
             return
-        nbytes = storage.nbytes()
         if t.device.type == HOST_DEVICE:
+            nbytes = storage.nbytes()
             self._host[key] = nbytes
             weakref.finalize(storage, self._free_host, key)
             self.host_bytes += nbytes
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
             return
-        self._live[key] = nbytes
-        weakref.finalize(storage, self._free, key)
-        self.current_bytes += nbytes
         if self._what is not None:
             self._what[key] = f"{self._op} {list(t.shape)} {str(t.dtype)[6:]}"
-        phase = self.phase
-        if phase != "optimizer" and torch._C._current_graph_task_id() != -1:
-            phase = "backward"
-        if self.current_bytes > self.phase_peak_bytes.get(phase, -1):
-            self.phase_peak_bytes[phase] = self.current_bytes
-        if self.current_bytes > self.peak_bytes:
-            self.peak_bytes = self.current_bytes
-            if self._what is not None:
-                self.at_peak = sorted(
-                    (
-                        (n, self._what.get(k, "(kept from before the step)"))
-                        for k, n in self._live.items()
-                    ),
-                    reverse=True,
-                )
+        super()._track(t)
 
 
 @dataclasses.dataclass(kw_only=True)

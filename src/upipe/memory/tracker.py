@@ -89,6 +89,11 @@ class MemoryTracker(TorchDispatchMode):
         self._live[key] = nbytes
         weakref.finalize(storage, self._free, key)
         self.current_bytes += nbytes
+        self._grew()
+
+    def _grew(self) -> None:
+        """`current_bytes` just grew (an allocation or a storage resize): note the peak.
+        Subclasses extend this one place to keep more about the peak."""
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def _resized(self, storage, old: int, new: int) -> None:
@@ -103,7 +108,7 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._counted:
             self.counted_bytes += new - self._live[key]
         self._live[key] = new
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        self._grew()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
