@@ -80,6 +80,27 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
     assert got == want
 
 
+@pytest.mark.parametrize(
+    "strategy,kw",
+    [
+        ("ulysses", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 96, "fsdp": True,
+                     "chunked_loss": True, "loss_chunk": 64, "offload": True}),
+        ("upipe", {"tiled_mlp": True, "mlp_tile": 128, "chunked_loss": True, "loss_chunk": 96}),
+        ("ring", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 64, "fsdp": True}),
+    ],
+)  # fmt: skip
+def test_sampled_tiles_keep_the_memory(strategy, kw):
+    """The simulator's other shortcut: tile loops run over their first two tiles only
+    (`upipe.tiles`); peak, per-phase peaks and host bytes equal those of every tile."""
+    cfg = small_config(strategy=strategy, nproc=4, **kw)
+    got = {}
+    for sample in (False, True):
+        with StepSimulator(cfg, 4, sample_tiles=sample) as sim:
+            steps = [sim.step(S) for S in (1024, 2816)]  # 2 .. 11 tiles per rank
+        got[sample] = [(m.peak_bytes, m.phase_bytes, m.host_peak_bytes) for m in steps]
+    assert got[True] == got[False]
+
+
 @pytest.mark.parametrize("strategy,kw", CASES)
 def test_simulated_peak_equals_real_run(clusters, strategy, kw):
     """Same config, 2 gloo ranks for real vs rank 0 simulated under fake tensors (CPU

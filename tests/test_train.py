@@ -138,6 +138,8 @@ def test_chunked_cross_entropy_and_tiling_float64():
     y = tiled_recompute(mlp, h, 8)
     y_ref = mlp(h)
     assert rel_err(y, y_ref) < 1e-12
+    with torch.no_grad():  # the path of a checkpointed forward
+        assert rel_err(tiled_recompute(mlp, h, 8), y_ref) < 1e-12
     gy = torch.randn_like(y)
     # reentrant recompute: parameter gradients accumulate into .grad (use backward, not grad)
     y.backward(gy)

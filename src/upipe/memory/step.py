@@ -15,7 +15,7 @@ What the simulation replaces, and why it does not change the memory:
   GQA natively and return an fp32 log-sum-exp, so their buffers agree.
 - Activation offload keeps the checkpointed block inputs on the *meta* device: those copies
   are counted apart as host bytes (`host_peak_bytes`), the rest is device memory.
-- Data-dependent scalars have no value under fake tensors; `_DataFree` answers them:
+- Data-dependent scalars have no value under fake tensors; `StepTracker` answers them:
   `.item()` gives 1 (the loss printed, the token count checked > 0, AdamW's step count in
   its bias correction: none of them shapes a tensor). The step has no other
   data-dependent operator (the chunked loss needs no `nonzero`).
@@ -44,32 +44,14 @@ import types
 import weakref
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from upipe import tiles
 from upipe.memory.simulate import fake_process_group
-from upipe.memory.tracker import MemoryTracker
+from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
 
 HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
-
-
-class _DataFree(torch.utils._python_dispatch.TorchDispatchMode):
-    """Answers the data-dependent operators of fake tensors (see the module doc); operators
-    on real tensors only (the device mesh's rank tables) run for real."""
-
-    _LIFT = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-
-        kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        fake = any(isinstance(t, FakeTensor) for t in tensors)
-        if tensors and not fake and func not in self._LIFT:
-            with unset_fake_temporarily():
-                return func(*args, **kwargs)
-        if fake and func is torch.ops.aten._local_scalar_dense.default:
-            return True if args[0].dtype == torch.bool else 1
-        return func(*args, **kwargs)
+_ITEM = torch.ops.aten._local_scalar_dense.default
+_LIFT = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -104,13 +86,18 @@ class StepTracker(MemoryTracker):
     accumulator, q-shaped `[B, S, h, d]` (4 bytes per element), and for GQA dk and dv
     expanded to the query heads before they are summed (2 x q-shaped in q's dtype). The CPU
     kernel that runs here has neither, but on a GPU they are real memory at long context.
+
+    `fake`: the step runs under `FakeTensorMode`; the tracker then also answers the
+    data-dependent operators (see the module doc) and runs operators on real tensors only
+    (the device mesh's rank tables) for real, uncounted. (One dispatch mode doing both costs
+    less than two: the per-operator Python overhead is what a simulated step spends.)
     """
 
     _ATTN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
-    def __init__(self, *, explain: bool = False, cuda_workspaces: bool = False):
+    def __init__(self, *, explain: bool = False, cuda_workspaces: bool = False, fake: bool = False):
         super().__init__()
-        self.cuda_workspaces = cuda_workspaces
+        self.cuda_workspaces, self.fake = cuda_workspaces, fake
         self.phase = "forward"
         self.phase_peak_bytes: dict[str, int] = {}
         self.host_bytes = self.host_peak_bytes = 0
@@ -120,8 +107,21 @@ class StepTracker(MemoryTracker):
         self.at_peak: list[tuple[int, str]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        if func is _DEVICE or func.is_view:  # allocate nothing
+            return func(*args, **kwargs)
+        inputs = _plain_tensors((args, kwargs))
+        if self.fake:  # under FakeTensorMode
+            fake = any(isinstance(t, FakeTensor) for t in inputs)
+            if fake and func is _ITEM:  # data-dependent scalars (see the module doc)
+                return True if args[0].dtype == torch.bool else 1
+            if inputs and not fake and func not in _LIFT:  # real: the mesh's rank tables
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
         self._op = func
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = self._run(func, args, kwargs, inputs)
         if self.cuda_workspaces and func is self._ATTN_BWD:
             _, q, k = args[:3]  # [B, h, S, d] / [B, hk, S, d]
             extra = q.numel() * 4 + (
@@ -204,16 +204,29 @@ class StepSimulator:
     is the largest phase. `tests/test_plan.py` checks it against full-depth runs.
     """
 
-    def __init__(self, cfg, world: int, model=None, *, kernels: str = "cuda", depths=None):
+    def __init__(
+        self,
+        cfg,
+        world: int,
+        model=None,
+        *,
+        kernels: str = "cuda",
+        depths=None,
+        sample_tiles: bool = True,
+    ):
         """`model`: a `ModelConfig` to build instead of the preset `cfg.model`. `kernels`:
         "cuda" gives kernels whose CPU version allocates differently their CUDA footprint
-        (RMSNorm); "cpu" runs the CPU build's kernels as `upipe train` does on CPU."""
+        (RMSNorm); "cpu" runs the CPU build's kernels as `upipe train` does on CPU.
+        `sample_tiles`: run the tiled MLP's and the chunked loss's loops over their first two
+        tiles only (`upipe.tiles`: the same peak, at a cost independent of the sequence
+        length); False runs every tile."""
         from upipe.model import get_config
         from upipe.train.loop import DTYPES, validate
 
         if kernels not in ("cuda", "cpu"):
             raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
         self.cfg, self.world, self.kernels = cfg, world, kernels
+        self.sample_tiles = sample_tiles
         self.model_config = model or get_config(cfg.model)
         n = self.model_config.n_layers
         self.depths = tuple(sorted(set(depths))) if depths and max(depths) < n else (n,)
@@ -241,7 +254,6 @@ class StepSimulator:
                     "fsdp"
                 )  # (apply_fsdp's flattened mesh, made here for the same reason)
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            stack.enter_context(_DataFree())
             for n in self.depths:
                 self.trainers[n] = self._build(mesh, n)
         except BaseException:
@@ -258,7 +270,7 @@ class StepSimulator:
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # fake parameters cannot be cast: make them so
         # counts everything this trainer ever allocates
-        mem = StepTracker(cuda_workspaces=self.kernels == "cuda")
+        mem = StepTracker(cuda_workspaces=self.kernels == "cuda", fake=True)
         try:
             with mem:
                 trainer = Trainer(cfg, torch.device("cpu"), mesh=mesh, model_config=model_config)
@@ -299,7 +311,8 @@ class StepSimulator:
         )
         if problem:
             raise ValueError(problem)
-        runs = [_measure(self.trainers[n], seq_len, explain) for n in self.depths]
+        with tiles.sampled() if self.sample_tiles else contextlib.nullcontext():
+            runs = [_measure(self.trainers[n], seq_len, explain) for n in self.depths]
         if len(runs) == 1:
             return runs[0]
         (n0, n1), N = self.depths, self.model_config.n_layers

@@ -25,10 +25,10 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 _ACTIVE: list[MemoryTracker] = []  # trackers inside their `with` block (innermost last)
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+_DEVICE = torch.ops.prim.device.default  # `t.device` of a subclass: dispatched, allocates nothing
 
 
 def _tracked_resize(storage, nbytes):
@@ -39,18 +39,25 @@ def _tracked_resize(storage, nbytes):
     return out
 
 
-def _plain_tensors(tree):
-    """The strided tensors holding memory in `tree`: a wrapper subclass such as DTensor
-    has no memory of its own (its storage would claim the *global* size), so its inner
-    tensors (a DTensor's local shard) stand for it."""
-    for t in tree_leaves(tree):
-        if not isinstance(t, torch.Tensor):
-            continue
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            yield from _plain_tensors([getattr(t, n) for n in names])
-        elif t.layout == torch.strided:
-            yield t
+def _plain_tensors(tree, found: list | None = None) -> list:
+    """The strided tensors holding memory in `tree` (nested lists, tuples and dicts of an
+    operator's arguments or results): a wrapper subclass such as DTensor has no memory of
+    its own (its storage would claim the *global* size), so its inner tensors (a DTensor's
+    local shard) stand for it. (A plain recursion: `tree_leaves` costs more than many ops.)"""
+    found = [] if found is None else found
+    if isinstance(tree, torch.Tensor):
+        if is_traceable_wrapper_subclass(tree):
+            names, _ = tree.__tensor_flatten__()
+            _plain_tensors([getattr(tree, n) for n in names], found)
+        elif tree.layout == torch.strided:
+            found.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _plain_tensors(x, found)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _plain_tensors(x, found)
+    return found
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -111,12 +118,19 @@ class MemoryTracker(TorchDispatchMode):
         self._grew()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # views and in-place ops return an input's storage: not an allocation of this region
-        inputs = {t.untyped_storage()._cdata for t in _plain_tensors((args, kwargs))}
+        kwargs = kwargs or {}
+        if func is _DEVICE or (func.is_view and self.count is None):  # allocate nothing
+            return func(*args, **kwargs)
+        return self._run(func, args, kwargs, _plain_tensors((args, kwargs)))
+
+    def _run(self, func, args, kwargs, inputs: list) -> object:
+        """`func(*args, **kwargs)`, counting the storages of its results that are not among
+        those of `inputs` (its tensor arguments; views and in-place ops return those)."""
+        out = func(*args, **kwargs)
+        input_keys = {t.untyped_storage()._cdata for t in inputs}
         for t in _plain_tensors(out):
             key = t.untyped_storage()._cdata
-            if key not in inputs:
+            if key not in input_keys:
                 self._track(t)
             counts = self.count is not None and key in self._live and key not in self._counted
             if counts and self.count(t):

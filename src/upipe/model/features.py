@@ -14,6 +14,21 @@ from __future__ import annotations
 
 import torch
 
+from upipe import tiles
+
+
+def _tiled(fn, x_BLD: torch.Tensor, tile: int) -> torch.Tensor:
+    """y[:, s:s+T] = fn(x[:, s:s+T]), one tile's intermediates alive at a time, written into
+    an output allocated once."""
+    y_BLD = None
+    for s in tiles.starts(x_BLD.shape[1], tile):
+        y_BTD = fn(x_BLD[:, s : s + tile])
+        if y_BLD is None:
+            y_BLD = y_BTD.new_empty(*x_BLD.shape[:2], *y_BTD.shape[2:])
+        y_BLD[:, s : s + tile] = y_BTD
+        del y_BTD
+    return y_BLD
+
 
 class _TiledRecompute(torch.autograd.Function):
     """y[:, s:s+T] = fn(x[:, s:s+T]) tile by tile; nothing but x is saved.
@@ -27,20 +42,13 @@ class _TiledRecompute(torch.autograd.Function):
     def forward(ctx, x_BLD, fn, tile):
         ctx.fn, ctx.tile = fn, tile
         ctx.save_for_backward(x_BLD)
-        y_BLD = None
-        for s in range(0, x_BLD.shape[1], tile):
-            y_BTD = fn(x_BLD[:, s : s + tile])
-            if y_BLD is None:
-                y_BLD = y_BTD.new_empty(*x_BLD.shape[:2], *y_BTD.shape[2:])
-            y_BLD[:, s : s + tile] = y_BTD
-            del y_BTD
-        return y_BLD
+        return _tiled(fn, x_BLD, tile)
 
     @staticmethod
     def backward(ctx, dy_BLD):
         (x_BLD,) = ctx.saved_tensors
         dx_BLD = torch.empty_like(x_BLD)
-        for s in range(0, x_BLD.shape[1], ctx.tile):
+        for s in tiles.starts(x_BLD.shape[1], ctx.tile):
             x_BTD = x_BLD[:, s : s + ctx.tile].detach().requires_grad_()
             with torch.enable_grad():
                 y_BTD = ctx.fn(x_BTD)
@@ -57,10 +65,8 @@ def tiled_recompute(fn, x_BLD: torch.Tensor, tile_tokens: int) -> torch.Tensor:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
     if x_BLD.shape[1] <= tile_tokens:
         return fn(x_BLD)
-    if not (torch.is_grad_enabled() and x_BLD.requires_grad):
-        return torch.cat(
-            [fn(x_BLD[:, s : s + tile_tokens]) for s in range(0, x_BLD.shape[1], tile_tokens)], 1
-        )
+    if not (torch.is_grad_enabled() and x_BLD.requires_grad):  # e.g. a checkpointed forward
+        return _tiled(fn, x_BLD, tile_tokens)
     return _TiledRecompute.apply(x_BLD, fn, tile_tokens)
 
 
