@@ -81,24 +81,35 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
 
 
 @pytest.mark.parametrize(
-    "strategy,kw",
+    "strategy,world,kw",
     [
-        ("ulysses", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 96, "fsdp": True,
-                     "chunked_loss": True, "loss_chunk": 64, "offload": True}),
-        ("upipe", {"tiled_mlp": True, "mlp_tile": 128, "chunked_loss": True, "loss_chunk": 96}),
-        ("ring", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 64, "fsdp": True}),
+        ("ulysses", 4, {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 96, "fsdp": True,
+                        "chunked_loss": True, "loss_chunk": 64, "offload": True}),
+        ("upipe", 4, {"tiled_mlp": True, "mlp_tile": 128, "chunked_loss": True,
+                      "loss_chunk": 96}),
+        ("ring", 4, {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 64}),
+        ("usp", 8, {"ring": 4, "tiled_mlp": True, "mlp_tile": 128}),
     ],
 )  # fmt: skip
-def test_sampled_tiles_keep_the_memory(strategy, kw):
-    """The simulator's other shortcut: tile loops run over their first two tiles only
-    (`upipe.tiles`); peak, per-phase peaks and host bytes equal those of every tile."""
-    cfg = small_config(strategy=strategy, nproc=4, **kw)
-    got = {}
-    for sample in (False, True):
-        with StepSimulator(cfg, 4, sample_tiles=sample) as sim:
-            steps = [sim.step(S) for S in (1024, 2816)]  # 2 .. 11 tiles per rank
-        got[sample] = [(m.peak_bytes, m.phase_bytes, m.host_peak_bytes) for m in steps]
-    assert got[True] == got[False]
+def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
+    """The simulator's other shortcut (`upipe.loops`): tile loops run two tiles, a ring its
+    diagonal block and every rank's off-diagonal blocks twice. Rank 0's sampled step has
+    the peak -- and each phase's peak -- of the worst rank running every iteration."""
+    cfg = small_config(strategy=strategy, nproc=world, **kw)
+    seq_lens = (1024, 2816)  # 2 .. 11 tiles per rank
+
+    def steps(sample, rank):
+        with StepSimulator(cfg, world, sample_loops=sample, rank=rank) as sim:
+            return [sim.step(S) for S in seq_lens]
+
+    sampled = steps(True, 0)
+    full = [steps(False, rank) for rank in range(world)]
+    for i, got in enumerate(sampled):
+        per_rank = [ranks[i] for ranks in full]
+        assert got.peak_bytes == max(m.peak_bytes for m in per_rank)
+        for phase, nbytes in got.phase_bytes.items():
+            assert nbytes == max(m.phase_bytes[phase] for m in per_rank)
+        assert got.host_peak_bytes == max(m.host_peak_bytes for m in per_rank)
 
 
 @pytest.mark.parametrize("strategy,kw", CASES)

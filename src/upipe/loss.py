@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from upipe import tiles
+from upipe import loops
 
 IGNORE_INDEX = -100
 
@@ -57,7 +57,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, weight_VD, labels_N, chunk, ignore_index):
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
-        for s in tiles.starts(h_ND.shape[0], chunk):
+        for s in loops.tile_starts(h_ND.shape[0], chunk):
             z_nV = F.linear(h_ND[s : s + chunk], weight_VD).float()
             total += F.cross_entropy(
                 z_nV, labels_N[s : s + chunk], ignore_index=ignore_index, reduction="sum"
@@ -74,7 +74,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         dW_VD = (
             torch.zeros_like(weight_VD, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         )
-        for s in tiles.starts(h_ND.shape[0], ctx.chunk):
+        for s in loops.tile_starts(h_ND.shape[0], ctx.chunk):
             h_nD, y_n = h_ND[s : s + ctx.chunk], labels_N[s : s + ctx.chunk]
             dz_nV = torch.softmax(F.linear(h_nD, weight_VD).float(), dim=-1)
             valid_n1 = (y_n != ctx.ignore_index).unsqueeze(1)

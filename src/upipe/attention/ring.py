@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from upipe import loops
 from upipe.attention.common import (
     check_layout,
     save_for_backward,
@@ -62,6 +63,11 @@ def _block(layout, causal, rank, src, L):
     return slice(L // 2, L), full, False
 
 
+def _blocks(layout, causal, L):
+    """`_block` as a function of (rank, source rank), for `loops.ring_steps`."""
+    return lambda rank, src: _block(layout, causal, rank, src, L)
+
+
 def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
     """In place: (out, lse) <- the softmax-weighted combination of (out, lse) and the part."""
     new_BHL = torch.logaddexp(lse_BHL, part_lse_BHL)
@@ -76,9 +82,8 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout):
     acc = acc_dtype(q_BLHd.dtype)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     out_BLHd = lse_BHL = None
-    for i in range(C):
-        pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if i + 1 < C else None
-        block = _block(layout, causal, r, (r - i) % C, L)
+    for _, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L)):
+        pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
         if block is not None:
             qs, ks, block_causal = block
             part_BLHd, part_lse_BHL = attention_forward(
@@ -107,9 +112,8 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args):
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     dq_BLHd = torch.zeros(q_BLHd.shape, dtype=acc, device=q_BLHd.device)
     dkv_2BLGd = dkv_pending = None
-    for i in range(C):
-        kv_pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if i + 1 < C else None
-        block = _block(layout, causal, r, (r - i) % C, L)
+    for first, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L)):
+        kv_pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
         if block is not None:
             qs, ks, block_causal = block
             dq, dk, dv = attention_backward(
@@ -125,7 +129,7 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args):
             )
             dq_BLHd[:, qs] += dq
             del dq
-        if i == 0:  # the local block (always computed, all keys): start its accumulator
+        if first:  # the local block (always computed, all keys): start its accumulator
             dkv_2BLGd = torch.stack((dk, dv)).to(acc)
         else:  # the accumulator of this step's block, with the previous ranks' shares
             dkv_2BLGd = dkv_pending.wait()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from collections.abc import Callable
 
 from upipe.model import PRESETS
@@ -174,13 +175,15 @@ def plan(pc: PlanConfig, progress=None) -> dict:
         out["strategies"].append({"strategy": label, "train_config": kw, "problem": problem})
         if not problem:
             todo.append((out["strategies"][-1], label, kw))
-    if pc.jobs == 1 or len(todo) < 2:
+    if pc.jobs == 1 or len(todo) < 2:  # in order (the progress bar shows every step)
         for row, label, kw in todo:
             row.update(_search(pc, model, budget, label, kw, progress))
         return out
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
+    # slowest first (features recompute every block; UPipe runs stages): workers end together
+    todo.sort(key=lambda t: (not t[2].get("checkpoint"), t[2]["strategy"] != "upipe"))
     with ProcessPoolExecutor(min(pc.jobs, len(todo)), mp_context=mp.get_context("spawn")) as ex:
         futures = {ex.submit(_search, pc, model, budget, label, kw): row for row, label, kw in todo}
         for future in as_completed(futures):
@@ -202,20 +205,19 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     multiple = pc.gpus * 2  # ring / zigzag layouts need 2 chunks per rank
     step = pc.granularity * multiple // math.gcd(pc.granularity, multiple)
     depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None
-    mems = {}
+    mems, start = {}, time.perf_counter()
     with StepSimulator(cfg, pc.gpus, model, depths=depths) as sim:
 
         def peak(S):
-            mems[S] = sim.step(S)
+            mems[S] = sim.step(S, explain=True)  # what is live at the peak: about free
             if progress:
                 progress(label, S, mems[S].peak_bytes)
             return mems[S].peak_bytes
 
         best, _ = max_fitting(peak, budget, step, pc.max_seq_len)
-        if best:
-            mems[best] = sim.step(best, explain=True)
     row = {
         "max_seq_len": best,
+        "seconds": round(time.perf_counter() - start, 2),
         "points": [
             {
                 "seq_len": S,

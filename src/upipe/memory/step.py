@@ -6,7 +6,10 @@ FSDP2, AdamW) inside `FakeTensorMode` on the fake process-group backend
 (`upipe.memory.simulate`), then `step(seq_len)` runs one training step -- forward, backward,
 optimizer -- and measures that rank's memory the way `Trainer.step` does on CPU: persistent
 bytes (parameters, optimizer states) plus the step's peak of live storages. Nothing is
-allocated and nothing is computed; a step costs a fraction of a millisecond per operator.
+allocated and nothing is computed; a step costs about 0.1 ms per operator, and the loops
+whose iterations repeat the same memory (sequence tiles, ring steps) are cut short
+(`upipe.loops`), so a step costs the same at any length and ring size and gives the worst
+rank's peak.
 
 What the simulation replaces, and why it does not change the memory:
 - The device is a fake *CPU* (fake CUDA tensors crash the backward on a CPU-only build).
@@ -26,8 +29,8 @@ What the simulation replaces, and why it does not change the memory:
   `StepTracker`), which the CPU kernel does not allocate. Smaller workspaces (cuBLAS, the
   forward's) are left to the planner's reserve.
 - The batch is synthetic (ids, labels and positions `[B, L]` int64, as on the device).
-- The optimizer states are created by one unmeasured optimizer step on zero gradients, so
-  the measured step is a steady-state step (states persistent, gradients set to None).
+- The optimizer states are created by one unmeasured warm-up step, so the measured step
+  is a steady-state step (states persistent, gradients set to None).
 - On CUDA, AdamW defaults to its foreach implementation, which briefly holds one extra
   state-sized temporary during the optimizer step; the fake CPU runs the per-parameter loop.
   The optimizer phase is reported apart (`phase_bytes`) so this can be judged: at long
@@ -45,7 +48,7 @@ import weakref
 
 import torch
 
-from upipe import tiles
+from upipe import loops
 from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
 
@@ -83,8 +86,8 @@ class StepTracker(MemoryTracker):
 
     `cuda_workspaces`: also count, while the attention backward kernel runs, the buffers that
     flash-attn 2's backward allocates inside the kernel (on top of dq, dk, dv): the fp32 dq
-    accumulator, q-shaped `[B, S, h, d]` (4 bytes per element), and for GQA dk and dv
-    expanded to the query heads before they are summed (2 x q-shaped in q's dtype). The CPU
+    accumulator, q-shaped `[B, Sq, h, d]` (4 bytes per element), and for GQA dk and dv
+    expanded to the query heads before they are summed (2 x `[B, Sk, h, d]` in k's dtype). The CPU
     kernel that runs here has neither, but on a GPU they are real memory at long context.
 
     `fake`: the step runs under `FakeTensorMode`; the tracker then also answers the
@@ -123,11 +126,10 @@ class StepTracker(MemoryTracker):
         self._op = func
         out = self._run(func, args, kwargs, inputs)
         if self.cuda_workspaces and func is self._ATTN_BWD:
-            _, q, k = args[:3]  # [B, h, S, d] / [B, hk, S, d]
-            extra = q.numel() * 4 + (
-                2 * q.numel() * q.element_size() if k.shape[1] < q.shape[1] else 0
-            )
-            self._transient(extra)
+            _, q, k = args[:3]  # [B, h, Sq, d] / [B, hk, Sk, d]
+            # fp32 dq accumulator [B, h, Sq, d]; GQA: dk, dv expanded to [B, h, Sk, d]
+            expanded = k.numel() // k.shape[1] * q.shape[1] if k.shape[1] < q.shape[1] else 0
+            self._transient(q.numel() * 4 + 2 * expanded * k.element_size())
         return out
 
     def _transient(self, nbytes: int) -> None:
@@ -192,9 +194,15 @@ class StepMemory:
 
 
 class StepSimulator:
-    """Rank 0 of `world` ranks running `cfg` (a `TrainConfig`; its seq_len is replaced by
-    `step`'s), built once and stepped at any sequence length. Use as a context manager: it
-    holds the process's default (fake) process group while open.
+    """Rank `rank` (default 0) of `world` ranks running `cfg` (a `TrainConfig`; its seq_len
+    is replaced by `step`'s), built once and stepped at any sequence length. Use as a
+    context manager: it holds the process's default (fake) process group while open.
+
+    Ranks differ in the ring attention's off-diagonal blocks (which halves of the queries
+    and keys meet, `upipe.attention.ring`) and, when parameters do not divide evenly, in
+    FSDP's shards (the first ranks' the larger). With `sample_loops` (the default) the
+    simulated rank runs every rank's off-diagonal blocks, so rank 0's peak is the worst
+    rank's (`tests/test_plan.py` compares it with every rank's full step).
 
     `depths`: simulate models of these numbers of layers and extrapolate linearly to the
     model's depth, phase by phase (default: the full depth, no extrapolation). All blocks are
@@ -212,21 +220,24 @@ class StepSimulator:
         *,
         kernels: str = "cuda",
         depths=None,
-        sample_tiles: bool = True,
+        sample_loops: bool = True,
+        rank: int = 0,
     ):
         """`model`: a `ModelConfig` to build instead of the preset `cfg.model`. `kernels`:
         "cuda" gives kernels whose CPU version allocates differently their CUDA footprint
         (RMSNorm); "cpu" runs the CPU build's kernels as `upipe train` does on CPU.
-        `sample_tiles`: run the tiled MLP's and the chunked loss's loops over their first two
-        tiles only (`upipe.tiles`: the same peak, at a cost independent of the sequence
-        length); False runs every tile."""
+        `sample_loops`: take `upipe.loops`' shortcut through the loops whose iterations
+        repeat the same memory (two tiles per tile loop; the ring's diagonal block, then
+        every rank's off-diagonal blocks twice): the worst rank's peak, at a cost
+        independent of the sequence length and the ring size. False runs this rank's loops
+        in full."""
         from upipe.model import get_config
         from upipe.train.loop import DTYPES, validate
 
         if kernels not in ("cuda", "cpu"):
             raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
         self.cfg, self.world, self.kernels = cfg, world, kernels
-        self.sample_tiles = sample_tiles
+        self.sample_loops, self.rank = sample_loops, rank
         self.model_config = model or get_config(cfg.model)
         n = self.model_config.n_layers
         self.depths = tuple(sorted(set(depths))) if depths and max(depths) < n else (n,)
@@ -246,7 +257,7 @@ class StepSimulator:
 
         cfg, stack = self.cfg, self._stack
         try:
-            stack.enter_context(fake_process_group(self.world, rank=0))
+            stack.enter_context(fake_process_group(self.world, rank=self.rank))
             dp, ring, uly = cfg.degrees(self.world)
             mesh = make_mesh(ulysses=uly, ring=ring, dp=dp)  # real tensors: outside fake mode
             if cfg.fsdp and mesh.ndim > 1:
@@ -311,7 +322,7 @@ class StepSimulator:
         )
         if problem:
             raise ValueError(problem)
-        with tiles.sampled() if self.sample_tiles else contextlib.nullcontext():
+        with loops.sampled() if self.sample_loops else contextlib.nullcontext():
             runs = [_measure(self.trainers[n], seq_len, explain) for n in self.depths]
         if len(runs) == 1:
             return runs[0]

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from upipe import tiles
+from upipe import loops
 
 
 def _tiled(fn, x_BLD: torch.Tensor, tile: int) -> torch.Tensor:
     """y[:, s:s+T] = fn(x[:, s:s+T]), one tile's intermediates alive at a time, written into
     an output allocated once."""
     y_BLD = None
-    for s in tiles.starts(x_BLD.shape[1], tile):
+    for s in loops.tile_starts(x_BLD.shape[1], tile):
         y_BTD = fn(x_BLD[:, s : s + tile])
         if y_BLD is None:
             y_BLD = y_BTD.new_empty(*x_BLD.shape[:2], *y_BTD.shape[2:])
@@ -48,7 +48,7 @@ class _TiledRecompute(torch.autograd.Function):
     def backward(ctx, dy_BLD):
         (x_BLD,) = ctx.saved_tensors
         dx_BLD = torch.empty_like(x_BLD)
-        for s in tiles.starts(x_BLD.shape[1], ctx.tile):
+        for s in loops.tile_starts(x_BLD.shape[1], ctx.tile):
             x_BTD = x_BLD[:, s : s + ctx.tile].detach().requires_grad_()
             with torch.enable_grad():
                 y_BTD = ctx.fn(x_BTD)
