@@ -237,23 +237,27 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
 def table(res: dict) -> str:
     """The results as a text table: max context, peak there, host RAM, top tensor."""
     lines = [
-        f"budget per GPU: {res['budget_bytes'] / GiB:.1f} GiB of tensors "
+        f"budget per GPU: {res['budget_bytes'] / GiB:.2f} GiB of tensors "
         f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve)",
-        f"{'strategy':28} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
+        f"{'strategy':24} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
     ]
     for r in res["strategies"]:
         if r["problem"]:
-            lines.append(f"{r['strategy']:28} {'n/a':>12}  {r['problem']}")
+            lines.append(f"{r['strategy']:24} {'n/a':>12}  {r['problem']}")
             continue
         S = r["max_seq_len"]
         pts = {p["seq_len"]: p for p in r["points"]}
         if not S:
-            lines.append(f"{r['strategy']:28} {'does not fit':>12}")
+            shortest = min(pts)
+            lines.append(
+                f"{r['strategy']:24} {0:>12} {pts[shortest]['peak_bytes'] / GiB:>9.2f} "
+                f"{'':>9}  does not fit: this is the peak at {shortest:,} tokens"
+            )
             continue
         top = r["at_peak"][0][1] if r["at_peak"] else ""
         lines.append(
-            f"{r['strategy']:28} {S / 1e6:>10.2f}M {pts[S]['peak_bytes'] / GiB:>9.1f} "
-            f"{r['host_bytes_at_max'] / GiB:>9.1f}  {top}"
+            f"{r['strategy']:24} {S:>12,} {pts[S]['peak_bytes'] / GiB:>9.2f} "
+            f"{r['host_bytes_at_max'] / GiB:>9.2f}  {top}"
         )
     return "\n".join(lines)
 
