@@ -139,3 +139,24 @@ def test_plan_end_to_end_small():
         pts = {p["seq_len"]: p["peak_bytes"] for p in r["points"]}
         assert 0 < S < 8192 and pts[S] <= res["budget_bytes"] < pts[S + 256]
     assert "upipe U=2" in table(res)
+
+
+def test_plan_host_memory_budget():
+    """--host-memory-gib: offloaded block inputs must fit the host too."""
+    pc = PlanConfig(
+        model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
+        max_seq_len=8192, strategies=("upipe",), heads_per_stage=(1,), features=("on",),
+        mlp_tile=256, loss_chunk=256, jobs=1,
+    )  # fmt: skip
+    free = plan(pc)["strategies"][0]
+    host = 2**20  # 1 MiB: about 2 x 2048 tokens x 128 x 2 bytes of block inputs
+    res = plan(dataclasses.replace(pc, host_memory_gib=host / 2**30))
+    row = res["strategies"][0]
+    S, pts = row["max_seq_len"], {p["seq_len"]: p for p in row["points"]}
+    assert free["limited_by"] == "device memory" and row["limited_by"] == "host memory"
+    assert 0 < S < free["max_seq_len"]
+    assert pts[S]["host_bytes"] <= host < pts[S + 256]["host_bytes"]
+    assert pts[S + 256]["peak_bytes"] <= res["budget_bytes"]  # the device still had room
+    assert "(host memory)" in table(res)
+    with pytest.raises(ValueError, match="host-memory-gib"):
+        plan(dataclasses.replace(pc, host_memory_gib=0.0))

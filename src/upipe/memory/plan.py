@@ -43,6 +43,9 @@ class PlanConfig:
     """Memory per GPU in GiB."""
     reserve_gib: float = 5.0
     """Memory per GPU that tensors cannot use (CUDA context, NCCL buffers, fragmentation)."""
+    host_memory_gib: float | None = None
+    """Pinned host memory per GPU for offloaded activations, in GiB (default: unlimited, the
+    need is only reported); e.g. 128 for 1 TiB per 8-GPU node."""
     granularity: int = 65536
     """Sequence lengths searched are multiples of this."""
     max_seq_len: int = 16 * 2**20
@@ -167,6 +170,8 @@ def plan(pc: PlanConfig, progress=None) -> dict:
     budget = (pc.gpu_memory_gib - pc.reserve_gib) * GiB
     if budget <= 0:
         raise ValueError(f"--reserve-gib {pc.reserve_gib} leaves nothing of {pc.gpu_memory_gib}")
+    if pc.host_memory_gib is not None and pc.host_memory_gib <= 0:
+        raise ValueError(f"--host-memory-gib must be positive, got {pc.host_memory_gib}")
     if pc.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {pc.jobs}")
     out = {"config": dataclasses.asdict(pc), "budget_bytes": budget, "strategies": []}
@@ -205,18 +210,30 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     multiple = pc.gpus * 2  # ring / zigzag layouts need 2 chunks per rank
     step = pc.granularity * multiple // math.gcd(pc.granularity, multiple)
     depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None
+    host_budget = None if pc.host_memory_gib is None else pc.host_memory_gib * GiB
     mems, start = {}, time.perf_counter()
     with StepSimulator(cfg, pc.gpus, model, depths=depths) as sim:
 
-        def peak(S):
-            mems[S] = sim.step(S, explain=True)  # what is live at the peak: about free
+        def used(S):
+            """The fraction of the budget S needs: of the device memory, or of the host
+            memory if that is budgeted and the larger fraction (both grow with S)."""
+            m = mems[S] = sim.step(S, explain=True)  # what is live at the peak: about free
             if progress:
-                progress(label, S, mems[S].peak_bytes)
-            return mems[S].peak_bytes
+                progress(label, S, m.peak_bytes)
+            host = 0.0 if host_budget is None else m.host_peak_bytes / host_budget
+            return max(m.peak_bytes / budget, host)
 
-        best, _ = max_fitting(peak, budget, step, pc.max_seq_len)
+        best, _ = max_fitting(used, 1.0, step, pc.max_seq_len)
+    beyond = mems.get(best + step)  # measured unless best is the limit
     row = {
         "max_seq_len": best,
+        "limited_by": (
+            "max_seq_len"
+            if beyond is None
+            else "device memory"
+            if beyond.peak_bytes > budget
+            else "host memory"
+        ),
         "seconds": round(time.perf_counter() - start, 2),
         "points": [
             {
@@ -238,7 +255,12 @@ def table(res: dict) -> str:
     """The results as a text table: max context, peak there, host RAM, top tensor."""
     lines = [
         f"budget per GPU: {res['budget_bytes'] / GiB:.2f} GiB of tensors "
-        f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve)",
+        f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve)"
+        + (
+            f", {host:g} GiB of host memory for offload"
+            if (host := res["config"]["host_memory_gib"]) is not None
+            else ""
+        ),
         f"{'strategy':24} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
     ]
     for r in res["strategies"]:
@@ -255,6 +277,8 @@ def table(res: dict) -> str:
             )
             continue
         top = r["at_peak"][0][1] if r["at_peak"] else ""
+        if r["limited_by"] != "device memory":
+            top = f"({r['limited_by']}) {top}"
         lines.append(
             f"{r['strategy']:24} {S:>12,} {pts[S]['peak_bytes'] / GiB:>9.2f} "
             f"{r['host_bytes_at_max'] / GiB:>9.2f}  {top}"
