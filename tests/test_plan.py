@@ -160,3 +160,22 @@ def test_plan_host_memory_budget():
     assert "(host memory)" in table(res)
     with pytest.raises(ValueError, match="host-memory-gib"):
         plan(dataclasses.replace(pc, host_memory_gib=0.0))
+
+
+def test_feature_sets():
+    from upipe.memory.plan import candidates
+    from upipe.model import get_config
+
+    feats = ("off", "on", "mlp+checkpoint", "offload")
+    pc = PlanConfig(model="tiny", gpus=2, strategies=("ulysses",), features=feats)
+    rows = candidates(pc, get_config("tiny"))
+    assert [r[0] for r in rows] == [
+        "ulysses", "ulysses +features", "ulysses +mlp+checkpoint", "ulysses +offload"
+    ]  # fmt: skip
+    (_, off, _), (_, on, _), (_, some, ok), (_, _, problem) = rows
+    assert not any(off.get(k) for k in ("tiled_mlp", "chunked_loss", "checkpoint", "offload"))
+    assert all(on[k] for k in ("tiled_mlp", "chunked_loss", "checkpoint", "offload"))
+    assert some["tiled_mlp"] and some["checkpoint"] and not some.get("chunked_loss")
+    assert ok is None and "--checkpoint" in problem  # offload needs checkpointing
+    with pytest.raises(ValueError, match="unknown \\['tiles'\\]"):
+        candidates(dataclasses.replace(pc, features=("tiles",)), get_config("tiny"))

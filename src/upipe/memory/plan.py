@@ -29,6 +29,7 @@ GiB = 2**30
 # 3 and 4 match the full depth exactly (tests/test_plan.py, docs/plan.md)
 EXTRAPOLATION_DEPTHS = (3, 4)
 GROWTH = 4  # the search's longest jump beyond a length known to fit
+FEATURES = ("mlp", "loss", "checkpoint", "offload")  # the memory features, by --features name
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,7 +56,8 @@ class PlanConfig:
     heads_per_stage: tuple[int, ...] = (1, 2)
     """UPipe heads per stage, in multiples of the ulysses size."""
     features: tuple[str, ...] = ("off", "on")
-    """Memory features: off, on (tiled MLP, chunked loss, checkpointing, offload)."""
+    """Memory feature sets to plan: off, on (all four), or some of mlp (tiled MLP), loss
+    (chunked loss), checkpoint, offload joined by '+', e.g. mlp+loss+checkpoint."""
     mlp_tile: int = 16384
     """Tokens per MLP tile (with features)."""
     loss_chunk: int = 8192
@@ -124,6 +126,20 @@ def max_fitting(peak: Callable[[int], float], budget: float, step: int, max_len:
     return lo * step, seen
 
 
+def feature_set(name: str) -> tuple[str, ...]:
+    """The memory features of a --features entry: off, on, or names joined by '+'."""
+    if name in ("off", "on"):
+        return FEATURES if name == "on" else ()
+    names = tuple(name.split("+"))
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise ValueError(
+            f"--features {name!r}: unknown {unknown}; use off, on, or some of "
+            f"{', '.join(FEATURES)} joined by '+' (e.g. mlp+loss+checkpoint)"
+        )
+    return names
+
+
 def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     """(label, TrainConfig fields, problem or None) of each strategy x features asked for."""
     from upipe.train.loop import TrainConfig, validate
@@ -148,10 +164,14 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                     uly = TrainConfig(**kw).degrees(pc.gpus)[2]
                     kw["heads_per_stage"] = mult * uly
                     label = f"upipe U={mult * uly}"
-                if feat == "on":
-                    kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile, chunked_loss=True)
-                    kw.update(loss_chunk=pc.loss_chunk, checkpoint=True, offload=True)
-                label += " +features" if feat == "on" else ""
+                on = feature_set(feat)
+                if "mlp" in on:
+                    kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile)
+                if "loss" in on:
+                    kw.update(chunked_loss=True, loss_chunk=pc.loss_chunk)
+                kw.update(checkpoint="checkpoint" in on, offload="offload" in on)
+                if on:
+                    label += " +features" if feat == "on" else f" +{feat}"
                 cfg = TrainConfig(**kw, plot=None)
                 rows.append((label, kw, validate(cfg, pc.gpus, model)))
     return rows
@@ -297,7 +317,7 @@ def plot(res: dict, path: str) -> None:
     colors = {}  # one color per strategy; solid with the memory features, dotted without
     for r in res["strategies"]:
         if r.get("points"):
-            base = r["strategy"].replace(" +features", "")
+            base = r["strategy"].split(" +")[0]
             color = colors.setdefault(base, f"C{len(colors)}")
             style = ".-" if base != r["strategy"] else ".:"
             pts = sorted((p["seq_len"], p["peak_bytes"]) for p in r["points"])
