@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from plan_workers import real_peak
 from train_workers import small_config
 
@@ -179,3 +180,25 @@ def test_feature_sets():
     assert ok is None and "--checkpoint" in problem  # offload needs checkpointing
     with pytest.raises(ValueError, match="unknown \\['tiles'\\]"):
         candidates(dataclasses.replace(pc, features=("tiles",)), get_config("tiny"))
+
+
+def test_cuda_rms_norm_footprint():
+    """Under kernels="cuda" every F.rms_norm (model norms, the fused op's QK-norm) keeps what
+    CUDA's fused kernel keeps: the output and one fp32 rstd per row; the CPU composite
+    keeps fp32 copies of x."""
+    from upipe.memory import MemoryTracker
+    from upipe.memory.step import _kernels
+
+    x = torch.randn(64, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(16, dtype=torch.bfloat16, requires_grad=True)
+    kept = {}
+    for kind in ("cuda", "cpu"):
+        with _kernels(kind), MemoryTracker() as mem:
+            y = torch.nn.functional.rms_norm(x, (16,), w, 1e-6)
+        kept[kind] = mem.current_bytes
+        y.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape
+        del y
+    assert kept["cuda"] == x.nbytes + 64 * 8 * 4
+    assert kept["cpu"] > 2 * x.nbytes
+    assert torch.nn.functional.rms_norm.__module__ == "torch.nn.functional"  # restored

@@ -23,8 +23,9 @@ What the simulation replaces, and why it does not change the memory:
   its bias correction: none of them shapes a tensor). The step has no other
   data-dependent operator (the chunked loss needs no `nonzero`).
 - RMSNorm runs as CUDA's fused kernel would (`kernels="cuda"`, the default): the CPU build's
-  composite RMSNorm saves fp32 copies of its input, CUDA's `_fused_rms_norm` only x and the
-  per-row rstd. Likewise the attention backward is charged flash-attn 2's in-kernel
+  composite `F.rms_norm` makes and saves fp32 copies of its input, CUDA's `_fused_rms_norm`
+  saves only x and the per-row rstd (for the model's norms and the QK-norm inside the
+  fused UPipe op alike). Likewise the attention backward is charged flash-attn 2's in-kernel
   buffers (an fp32 dq accumulator, and for GQA dk/dv expanded to the query heads; see
   `StepTracker`), which the CPU kernel does not allocate. Smaller workspaces (cuBLAS, the
   forward's) are left to the planner's reserve.
@@ -58,24 +59,38 @@ _LIFT = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.defau
 
 
 class _FusedRMSNorm(torch.autograd.Function):
-    """The memory of CUDA's fused RMSNorm (`aten._fused_rms_norm`): forward saves x and the
-    fp32 per-row rstd `[..., 1]`; backward makes dx and dweight. (The CPU build runs the
-    composite, which saves several fp32 copies of x.) Values are not computed."""
+    """The memory of CUDA's fused RMSNorm (`aten._fused_rms_norm`, which `F.rms_norm` runs on
+    CUDA): forward saves x and the fp32 rstd (one per normalized row); backward makes dx
+    and dweight. (The CPU build runs the composite, which makes and saves fp32 copies of
+    x.) Values are not computed."""
 
     @staticmethod
-    def forward(ctx, x, weight):
-        rstd = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+    def forward(ctx, x, weight, n_dims):
+        rstd = x.new_empty((*x.shape[: x.dim() - n_dims], *[1] * n_dims), dtype=torch.float32)
         ctx.save_for_backward(x, weight, rstd)
         return torch.empty_like(x)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        return torch.empty_like(x), None if weight is None else torch.empty_like(weight)
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None
 
 
-def _fused_rms_norm_forward(norm: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return _FusedRMSNorm.apply(x, norm.weight)
+def _cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
+    return _FusedRMSNorm.apply(input, weight, len(normalized_shape))
+
+
+@contextlib.contextmanager
+def _kernels(kind: str):
+    """With kind "cuda", `F.rms_norm` -- the model's norms and the fused UPipe op's QK-norm
+    -- has the memory of CUDA's fused kernel (`_FusedRMSNorm`)."""
+    original = torch.nn.functional.rms_norm
+    if kind == "cuda":
+        torch.nn.functional.rms_norm = _cuda_rms_norm
+    try:
+        yield
+    finally:
+        torch.nn.functional.rms_norm = original
 
 
 class StepTracker(MemoryTracker):
@@ -288,16 +303,12 @@ class StepSimulator:
         finally:
             torch.set_default_dtype(default)
         trainer.tracker = mem
-        model = trainer.model
         if cfg.offload:
-            model.offload = HOST_DEVICE  # upipe train offloads to "cpu" when on CUDA
-        if self.kernels == "cuda":  # per instance: the parameters stay where FSDP put them
-            for norm in model.modules():
-                if isinstance(norm, torch.nn.RMSNorm):
-                    norm.forward = types.MethodType(_fused_rms_norm_forward, norm)
+            trainer.model.offload = HOST_DEVICE  # upipe train offloads to "cpu" when on CUDA
         trainer.batch = types.MethodType(_synthetic_batch, trainer)
         # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
-        _measure(trainer, self._shortest())
+        with _kernels(self.kernels):
+            _measure(trainer, self._shortest())
         return trainer
 
     def _shortest(self) -> int:
@@ -322,7 +333,10 @@ class StepSimulator:
         )
         if problem:
             raise ValueError(problem)
-        with loops.sampled() if self.sample_loops else contextlib.nullcontext():
+        with (
+            loops.sampled() if self.sample_loops else contextlib.nullcontext(),
+            _kernels(self.kernels),
+        ):
             runs = [_measure(self.trainers[n], seq_len, explain) for n in self.depths]
         if len(runs) == 1:
             return runs[0]
