@@ -48,6 +48,7 @@ import types
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from upipe import loops
 from upipe.memory.simulate import fake_process_group
@@ -102,8 +103,9 @@ class StepTracker(MemoryTracker):
     `cuda_workspaces`: also count, while the attention backward kernel runs, the buffers that
     flash-attn 2's backward allocates inside the kernel (on top of dq, dk, dv): the fp32 dq
     accumulator, q-shaped `[B, Sq, h, d]` (4 bytes per element), and for GQA dk and dv
-    expanded to the query heads before they are summed (2 x `[B, Sk, h, d]` in k's dtype). The CPU
-    kernel that runs here has neither, but on a GPU they are real memory at long context.
+    expanded to the query heads before they are summed (2 x `[B, Sk, h, d]` in k's dtype).
+    The CPU kernel that runs here has neither, but on a GPU they are real memory at long
+    context.
 
     `fake`: the step runs under `FakeTensorMode`; the tracker then also answers the
     data-dependent operators (see the module doc) and runs operators on real tensors only
@@ -125,11 +127,9 @@ class StepTracker(MemoryTracker):
         self.at_peak: list[tuple[int, str]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-
         kwargs = kwargs or {}
-        if func is _DEVICE or func.is_view:  # allocate nothing
-            return func(*args, **kwargs)
+        if func is _DEVICE or (func.is_view and (not self.fake or isinstance(args[0], FakeTensor))):
+            return func(*args, **kwargs)  # allocates nothing (views of real tensors: below)
         inputs = _plain_tensors((args, kwargs))
         if self.fake:  # under FakeTensorMode
             fake = any(isinstance(t, FakeTensor) for t in inputs)
