@@ -35,14 +35,13 @@ def test_search_finds_the_exact_boundary(peak, step):
     assert values == sorted(values)  # the functions searched are monotonic
 
 
-def test_search_stays_near_the_answer_on_a_realistic_peak():
-    """Flat (weights, logits chunk) then linear (activations): a few simulations, none far
-    beyond the answer (long sequences are the slow ones to simulate)."""
+def test_search_is_short_on_a_realistic_peak():
+    """Flat (weights, logits chunk) then linear (activations): a few simulations."""
     GiB, step = 2**30, 65536
     peak = lambda S: max(18 * GiB + 100 * S, 10 * GiB + 9000 * S)  # noqa: E731
     best, seen = max_fitting(peak, 75 * GiB, step, 16 * 2**20)
     assert best == max(k * step for k in range(1, 257) if peak(k * step) <= 75 * GiB)
-    assert len(seen) <= 7 and max(seen) <= best + step
+    assert len(seen) <= 5
 
 
 def test_search_edges():

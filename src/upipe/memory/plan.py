@@ -28,7 +28,7 @@ GiB = 2**30
 # overestimate with the memory features (29.97 vs 19.66 GiB, llama3-8b at 512K on 8 ranks),
 # 3 and 4 match the full depth exactly (tests/test_plan.py, docs/plan.md)
 EXTRAPOLATION_DEPTHS = (3, 4)
-GROWTH = 4  # the search's longest jump beyond a length known to fit
+GROWTH = 16  # the search's longest jump beyond a length known to fit
 FEATURES = ("mlp", "loss", "checkpoint", "offload")  # the memory features, by --features name
 
 
@@ -83,13 +83,13 @@ def max_fitting(peak: Callable[[int], float], budget: float, step: int, max_len:
     """Largest multiple S of `step` (<= max_len) with peak(S) <= budget, for a `peak` that
     does not decrease with S; 0 if not even `step` fits. Returns (S, {S: peak(S) measured}).
 
-    Long sequences are the expensive ones to simulate, so the search walks up from short ones:
-    each guess is where the line through the last two measurements meets the budget (the peak
-    is piecewise linear in S: every tensor grows linearly with the tokens, the peak is the
-    largest sum), at most `GROWTH` times the longest length known to fit, kept inside the
-    bracket, and replaced by bisection when two guesses in a row failed to halve it. The
-    answer is exact: S fits and S + step does not (or S is the limit). A linear peak takes
-    4 evaluations.
+    The search walks up from short sequences: each guess is where the line through the last
+    two measurements meets the budget (the peak is piecewise linear in S: every tensor grows
+    linearly with the tokens, the peak is the largest sum), at most `GROWTH` times the
+    longest length known to fit (at short lengths the slope is still that of the small
+    terms, and a line through them overshoots far), kept inside the bracket, and replaced by
+    bisection when two guesses in a row failed to halve it. The answer is exact: S fits and
+    S + step does not (or S is the limit). A linear peak takes 3-4 evaluations.
     """
     seen: dict[int, float] = {}
 
