@@ -114,11 +114,11 @@ def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
 
 @pytest.mark.parametrize("strategy,kw", CASES)
 def test_simulated_peak_equals_real_run(clusters, strategy, kw):
-    """Same config, 2 gloo ranks for real vs rank 0 simulated under fake tensors (CPU
-    kernels, as in the real run): per-rank peak within 2%."""
+    """Same config, 2 gloo ranks for real vs simulated under fake tensors (CPU kernels, as
+    in the real run): the simulated peak within 2% of the larger rank's measured one."""
     cfg = small_config(strategy=strategy, nproc=2, **kw)
     seq_lens = [512, 2048]
-    real = clusters(2).run(real_peak, cfg, seq_lens)[0]
+    real = [max(peaks) for peaks in zip(*clusters(2).run(real_peak, cfg, seq_lens))]
     with StepSimulator(cfg, 2, kernels="cpu") as sim:
         simulated = [sim.step(S).peak_bytes for S in seq_lens]
     for r, s in zip(real, simulated, strict=True):
