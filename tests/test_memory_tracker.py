@@ -62,3 +62,10 @@ def test_dtensor_counts_its_local_shard():
             state = torch.zeros_like(shard)  # an optimizer state: another local shard
         assert mem.current_bytes == 2 * 16 * 8 * 4, mem.current_bytes
         del shard, state
+
+
+def test_meta_tensors_hold_no_memory():
+    with MemoryTracker() as mem:
+        x = torch.empty(1024, 1024, device="meta")
+        y = torch.empty(256, dtype=torch.float32)
+    assert mem.peak_bytes == y.nbytes and x.is_meta

@@ -118,7 +118,7 @@ def test_simulated_peak_equals_real_run(clusters, strategy, kw):
     in the real run): the simulated peak within 2% of the larger rank's measured one."""
     cfg = small_config(strategy=strategy, nproc=2, **kw)
     seq_lens = [512, 2048]
-    real = [max(peaks) for peaks in zip(*clusters(2).run(real_peak, cfg, seq_lens))]
+    real = [max(p) for p in zip(*clusters(2).run(real_peak, cfg, seq_lens), strict=True)]
     with StepSimulator(cfg, 2, kernels="cpu") as sim:
         simulated = [sim.step(S).peak_bytes for S in seq_lens]
     for r, s in zip(real, simulated, strict=True):

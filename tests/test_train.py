@@ -215,3 +215,17 @@ def test_cli_bad_option_is_a_message():
     assert "--seq-len 1001 must be a multiple of 4" in res.stderr
     res = _upipe("train", "--data", "/nonexistent/corpus")
     assert res.returncode == 2 and "neither a file nor a directory" in res.stderr
+
+
+def test_fsdp_model_never_exists_whole(clusters):
+    """With FSDP the model is built on the meta device and only this rank's shards are
+    allocated: building peaks well below the full model (plus one full matrix being drawn),
+    and the weights equal those built whole."""
+    from train_workers import build_memory
+
+    cfg = small_config(strategy="upipe", nproc=4, fsdp=True)
+    peak, full, local, sharded = clusters(4).run(build_memory, cfg)[0]
+    assert local <= full / 4 + 4096 and peak < 0.6 * full, (peak, full, local)
+    *_, whole = clusters(1).run(build_memory, small_config(strategy="none"))[0]
+    assert sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[n], whole[n]) for n in whole)

@@ -46,3 +46,16 @@ def train_and_save(rank, world_size, cfg: TrainConfig):
     from upipe.train import train
 
     return [row["loss"] for row in train(cfg)]
+
+
+def build_memory(rank, world_size, cfg: TrainConfig):
+    """(peak bytes while the Trainer is built, its parameters' full and local bytes)."""
+    from upipe.memory import MemoryTracker
+
+    with MemoryTracker() as mem:
+        trainer = Trainer(cfg, torch.device("cpu"))
+    params = list(trainer.model.parameters())
+    full = sum(_full(p).nbytes for p in params)
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params)
+    weights = {n: _full(p).detach() for n, p in trainer.model.named_parameters()}
+    return mem.peak_bytes, full, local, weights

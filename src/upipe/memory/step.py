@@ -94,6 +94,22 @@ def _kernels(kind: str):
         torch.nn.functional.rms_norm = original
 
 
+@contextlib.contextmanager
+def _no_init():
+    """`CausalLM.init_weights` does nothing: fake parameters hold no values, and its host
+    buffers (one full fp32 matrix at a time) are gone before the step. (It would also need
+    the FSDP mesh's coordinate, which torch caches from the first of several process groups
+    created in one process, as the tests do when simulating several ranks.)"""
+    from upipe.model.llama import CausalLM
+
+    original = CausalLM.init_weights
+    CausalLM.init_weights = lambda self, seed: None
+    try:
+        yield
+    finally:
+        CausalLM.init_weights = original
+
+
 class StepTracker(MemoryTracker):
     """`MemoryTracker` that keeps host bytes (storages on `HOST_DEVICE`) apart from device
     bytes, records the device peak per phase ("forward", "backward" -- inside the autograd
@@ -298,7 +314,7 @@ class StepSimulator:
         # counts everything this trainer ever allocates
         mem = StepTracker(cuda_workspaces=self.kernels == "cuda", fake=True)
         try:
-            with mem:
+            with mem, _no_init():
                 trainer = Trainer(cfg, torch.device("cpu"), mesh=mesh, model_config=model_config)
         finally:
             torch.set_default_dtype(default)

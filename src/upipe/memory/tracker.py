@@ -88,6 +88,8 @@ class MemoryTracker(TorchDispatchMode):
             self.counted_bytes -= nbytes
 
     def _track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":  # shapes without memory (e.g. a model before FSDP)
+            return
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._live:

@@ -122,17 +122,22 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic init from `seed` alone (same weights on every process and device):
-        normal(0, 0.02) matrices and embeddings, ones for norms, in parameter-name order."""
+        normal(0, 0.02) matrices and embeddings, ones for norms, in parameter-name order.
+        Sharded parameters (DTensors: FSDP2 on the meta device, then `to_empty`) get their
+        shard of the same values: each full matrix is drawn on the host, one at a time, and
+        every rank keeps its own part (no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
-            else:
-                p.copy_(
-                    torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(
-                        0.0, 0.02, generator=gen
-                    )
-                )
+                continue
+            full = torch.empty(p.shape, dtype=torch.float32, device="cpu")
+            full = full.normal_(0.0, 0.02, generator=gen).to(p.dtype)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(full)
 
     def hidden(self, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
         h_BLD = self.model.embed_tokens(input_ids_BL)

@@ -194,20 +194,23 @@ class Trainer:
         self.mesh = mesh
         self.cp = context_parallel(cfg.strategy, self.mesh)
         self.dp, self.dp_rank = dp, self.mesh.get_local_rank("dp")
-        # built in place on the device in the training dtype (no full fp32 copy on the host;
-        # fake tensors in the planner cannot be moved either), then initialised from the seed
+        # built in the training dtype (no fp32 copy; fake tensors in the planner cannot be
+        # cast either): with FSDP on the meta device, then sharded, and only this rank's
+        # shards are allocated (a 70B model never exists whole on a GPU); else on the
+        # device. Either way initialised from the seed to the same values.
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(DTYPES[cfg.dtype])
         try:
-            with torch.device(device):
+            with torch.device("meta" if cfg.fsdp else device):
                 model = CausalLM(model_config or get_config(cfg.model))
         finally:
             torch.set_default_dtype(default_dtype)
-        model.init_weights(cfg.seed)
         parallelize(model, self.cp, heads_per_stage=cfg.heads_per_stage)
         apply_memory_features(model, cfg.features(), device)
         if cfg.fsdp:
             apply_fsdp(model, self.mesh)
+            model.to_empty(device=device)
+        model.init_weights(cfg.seed)
         self.model = model
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0
