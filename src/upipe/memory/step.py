@@ -112,9 +112,10 @@ def _no_init():
 
 class StepTracker(MemoryTracker):
     """`MemoryTracker` that keeps host bytes (storages on `HOST_DEVICE`) apart from device
-    bytes, records the device peak per phase ("forward", "backward" -- inside the autograd
-    engine, recomputation included -- and "optimizer", set by the caller), and with
-    `explain` keeps the largest live storages at the device peak.
+    bytes, records the device peak per phase ("forward"; "backward", from the first
+    allocation inside the autograd engine on, recomputation and the gradient all-reduce after
+    it included; "optimizer", set by the caller), and with `explain` keeps the largest live
+    storages at the device peak.
 
     `cuda_workspaces`: also count, while the attention backward kernel runs, the buffers that
     flash-attn 2's backward allocates inside the kernel (on top of dq, dk, dv): the fp32 dq
@@ -173,8 +174,8 @@ class StepTracker(MemoryTracker):
         """The device peak, per phase, and with `explain` what is live at the overall peak
         (`transient`: a workspace counted in `current_bytes` but not among the storages)."""
         phase = self.phase
-        if phase != "optimizer" and torch._C._current_graph_task_id() != -1:
-            phase = "backward"
+        if phase == "forward" and torch._C._current_graph_task_id() != -1:
+            phase = self.phase = "backward"  # and after it: gradient all-reduce
         if self.current_bytes > self.phase_peak_bytes.get(phase, -1):
             self.phase_peak_bytes[phase] = self.current_bytes
         if self.current_bytes > self.peak_bytes:
