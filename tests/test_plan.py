@@ -89,6 +89,7 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
                       "loss_chunk": 96}),
         ("ring", 4, {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 64}),
         ("usp", 8, {"ring": 4, "tiled_mlp": True, "mlp_tile": 128}),
+        ("upipe", 8, {"ring": 4}),  # each UPipe stage a ring
     ],
 )  # fmt: skip
 def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
