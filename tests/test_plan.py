@@ -142,14 +142,18 @@ def test_plan_end_to_end_small():
     assert "upipe U=2" in table(res)
 
 
-def test_plan_host_memory_budget():
-    """--host-memory-gib: offloaded block inputs must fit the host too."""
+def test_plan_host_memory_budget_and_batch():
+    """--host-memory-gib: offloaded block inputs must fit the host too; --batch-size 2
+    fits shorter sequences."""
     pc = PlanConfig(
         model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
         max_seq_len=8192, strategies=("upipe",), heads_per_stage=(1,), features=("on",),
         mlp_tile=256, loss_chunk=256, jobs=1,
     )  # fmt: skip
     free = plan(pc)["strategies"][0]
+    two = plan(dataclasses.replace(pc, batch_size=2))["strategies"][0]  # 2 sequences a step
+    assert two["train_config"]["batch_size"] == 2
+    assert 0 < two["max_seq_len"] < free["max_seq_len"]
     host = 2**20  # 1 MiB: about 2 x 2048 tokens x 128 x 2 bytes of block inputs
     res = plan(dataclasses.replace(pc, host_memory_gib=host / 2**30))
     row = res["strategies"][0]

@@ -62,6 +62,8 @@ class PlanConfig:
     """Tokens per MLP tile (with features)."""
     loss_chunk: int = 8192
     """Tokens per cross-entropy chunk (with features)."""
+    batch_size: int = 1
+    """Sequences per step (per data-parallel rank: every GPU for `none`)."""
     fsdp: bool = True
     """Shard parameters, gradients and optimizer states (FSDP2) over all GPUs."""
     dtype: str = dataclasses.field(
@@ -150,6 +152,7 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
         for mult in stages:
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
+                kw["batch_size"] = pc.batch_size
                 kw["seq_len"] = pc.granularity
                 if strategy == "none":
                     kw["dp"] = pc.gpus
@@ -192,8 +195,8 @@ def plan(pc: PlanConfig, progress=None) -> dict:
         raise ValueError(f"--reserve-gib {pc.reserve_gib} leaves nothing of {pc.gpu_memory_gib}")
     if pc.host_memory_gib is not None and pc.host_memory_gib <= 0:
         raise ValueError(f"--host-memory-gib must be positive, got {pc.host_memory_gib}")
-    if pc.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {pc.jobs}")
+    if pc.jobs < 1 or pc.batch_size < 1:
+        raise ValueError(f"--jobs and --batch-size must be >= 1, got {pc.jobs}, {pc.batch_size}")
     out = {"config": dataclasses.asdict(pc), "budget_bytes": budget, "strategies": []}
     todo = []
     for label, kw, problem in candidates(pc, model):
