@@ -142,6 +142,12 @@ def feature_set(name: str) -> tuple[str, ...]:
     return names
 
 
+def _step(pc: PlanConfig) -> int:
+    """The lengths searched: multiples of the granularity that every layout can split (ring
+    and zigzag layouts need 2 chunks per rank)."""
+    return math.lcm(pc.granularity, 2 * pc.gpus)
+
+
 def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     """(label, TrainConfig fields, problem or None) of each strategy x features asked for."""
     from upipe.train.loop import TrainConfig, validate
@@ -153,7 +159,7 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
                 kw["batch_size"] = pc.batch_size
-                kw["seq_len"] = pc.granularity
+                kw["model"], kw["seq_len"] = pc.model, _step(pc)
                 if strategy == "none":
                     kw["dp"] = pc.gpus
                 if strategy == "usp":  # Ulysses over as many GPUs as kv heads allow, ring across
@@ -230,8 +236,7 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     from upipe.train.loop import TrainConfig
 
     cfg = TrainConfig(**kw, plot=None)
-    multiple = pc.gpus * 2  # ring / zigzag layouts need 2 chunks per rank
-    step = pc.granularity * multiple // math.gcd(pc.granularity, multiple)
+    step = _step(pc)
     depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None
     host_budget = None if pc.host_memory_gib is None else pc.host_memory_gib * GiB
     mems, start = {}, time.perf_counter()

@@ -202,7 +202,7 @@ class StepTracker(MemoryTracker):
             return
         if self._what is not None:
             self._what[key] = f"{self._op} {list(t.shape)} {str(t.dtype)[6:]}"
-        super()._track(t)
+        self._count(t)  # (the device is known: no second `t.device`, a dispatch here)
 
 
 @dataclasses.dataclass(kw_only=True)

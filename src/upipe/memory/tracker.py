@@ -88,8 +88,11 @@ class MemoryTracker(TorchDispatchMode):
             self.counted_bytes -= nbytes
 
     def _track(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":  # shapes without memory (e.g. a model before FSDP)
-            return
+        if t.device.type != "meta":  # meta: shapes without memory (a model before FSDP)
+            self._count(t)
+
+    def _count(self, t: torch.Tensor) -> None:
+        """Count t's storage from now until it is freed (once)."""
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._live:
