@@ -206,3 +206,16 @@ def test_cuda_rms_norm_footprint():
     assert kept["cuda"] == x.nbytes + 64 * 8 * 4
     assert kept["cpu"] > 2 * x.nbytes
     assert torch.nn.functional.rms_norm.__module__ == "torch.nn.functional"  # restored
+
+
+def test_candidates_on_an_odd_gpu_count():
+    """6 GPUs: ring and USP are validated at a length they can split (lcm(64K, 12)), and
+    the problems name the model planned, not the training default."""
+    from upipe.memory.plan import candidates
+    from upipe.model import get_config
+
+    pc = PlanConfig(model="llama3-8b", gpus=6, features=("on",), heads_per_stage=(1,))
+    rows = {label: (kw, problem) for label, kw, problem in candidates(pc, get_config("llama3-8b"))}
+    assert rows["ring +features"][1] is None and rows["usp 3x2 +features"][1] is None
+    assert rows["ring +features"][0]["seq_len"] == 196608
+    assert "llama3-8b has 32 heads" in rows["ulysses +features"][1]
