@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import types
 import weakref
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -81,33 +82,22 @@ def _cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
     return _FusedRMSNorm.apply(input, weight, len(normalized_shape))
 
 
-@contextlib.contextmanager
 def _kernels(kind: str):
     """With kind "cuda", `F.rms_norm` -- the model's norms and the fused UPipe op's QK-norm
-    -- has the memory of CUDA's fused kernel (`_FusedRMSNorm`)."""
-    original = torch.nn.functional.rms_norm
-    if kind == "cuda":
-        torch.nn.functional.rms_norm = _cuda_rms_norm
-    try:
-        yield
-    finally:
-        torch.nn.functional.rms_norm = original
+    -- has the memory of CUDA's fused kernel (`_FusedRMSNorm`) within the block."""
+    if kind != "cuda":
+        return contextlib.nullcontext()
+    return mock.patch.object(torch.nn.functional, "rms_norm", _cuda_rms_norm)
 
 
-@contextlib.contextmanager
 def _no_init():
-    """`CausalLM.init_weights` does nothing: fake parameters hold no values, and its host
-    buffers (one full fp32 matrix at a time) are gone before the step. (It would also need
-    the FSDP mesh's coordinate, which torch caches from the first of several process groups
-    created in one process, as the tests do when simulating several ranks.)"""
+    """Within the block `CausalLM.init_weights` does nothing: fake parameters hold no values,
+    and its host buffers (one full fp32 matrix at a time) are gone before the step. (It would
+    also need the FSDP mesh's coordinate, which torch caches from the first of several
+    process groups created in one process, as the tests do when simulating several ranks.)"""
     from upipe.model.llama import CausalLM
 
-    original = CausalLM.init_weights
-    CausalLM.init_weights = lambda self, seed: None
-    try:
-        yield
-    finally:
-        CausalLM.init_weights = original
+    return mock.patch.object(CausalLM, "init_weights", lambda self, seed: None)
 
 
 class StepTracker(MemoryTracker):
