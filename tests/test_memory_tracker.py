@@ -69,3 +69,86 @@ def test_meta_tensors_hold_no_memory():
         x = torch.empty(1024, 1024, device="meta")
         y = torch.empty(256, dtype=torch.float32)
     assert mem.peak_bytes == y.nbytes and x.is_meta
+
+
+class FakeCudaAllocator:
+    """The statistics of CUDA's caching allocator for one device, as torch 2.13 keeps them
+    (c10/core/Allocator.h `Stat`: increase sets peak = max(current, peak), reset_peak sets
+    peak = current; `resetPeakStats` resets allocated and reserved alike): freed blocks stay
+    reserved (cached) and are reused before new segments are reserved."""
+
+    def __init__(self):
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+    def malloc(self, nbytes):
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)  # a new segment when the cache is short
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, nbytes):
+        self.allocated -= nbytes
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def install(self, monkeypatch):
+        """Replace the torch.cuda functions the tracker calls with this allocator's."""
+        for name, fn in {
+            "synchronize": lambda device=None: None,
+            "current_device": lambda: 0,
+            "reset_peak_memory_stats": self.reset_peak_memory_stats,
+            "memory_allocated": lambda device=None: self.allocated,
+            "max_memory_allocated": lambda device=None: self.peak_allocated,
+            "max_memory_reserved": lambda device=None: self.peak_reserved,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+
+def test_nested_cuda_peaks_are_exact(monkeypatch):
+    """An inner tracker's reset must not wipe the outer tracker's earlier peak, and the inner
+    one must not see the outer's peak from before it started."""
+    gpu = FakeCudaAllocator()
+    gpu.install(monkeypatch)
+    gpu.malloc(100)  # live before both regions
+    with MemoryTracker("cuda") as outer:
+        gpu.malloc(1000)
+        gpu.free(1000)  # outer's peak: +1000, and 1100 bytes reserved from here on
+        gpu.malloc(50)  # kept: the inner region starts at 150 allocated
+        with MemoryTracker("cuda:0") as inner:
+            gpu.malloc(200)
+            with MemoryTracker("cuda") as innermost:  # starts at 350
+                gpu.malloc(300)
+                gpu.free(300)
+            gpu.free(200)
+            gpu.malloc(10)
+        gpu.malloc(700)  # after inner, below outer's earlier peak
+    assert innermost.cuda_peak_bytes == 300 and innermost.cuda_reserved_peak_bytes == 1100 - 350
+    assert inner.cuda_peak_bytes == 500 and inner.cuda_reserved_peak_bytes == 1100 - 150
+    assert outer.cuda_peak_bytes == 1000 and outer.cuda_reserved_peak_bytes == 1000
+
+
+def test_overlapping_cuda_peaks_are_exact(monkeypatch):
+    """Regions that overlap without nesting (entered a, b; exited a, b) get their own peaks."""
+    gpu = FakeCudaAllocator()
+    gpu.install(monkeypatch)
+    a, b = MemoryTracker("cuda"), MemoryTracker("cuda")
+    a.__enter__()
+    gpu.malloc(400)
+    gpu.free(400)
+    b.__enter__()
+    gpu.malloc(100)
+    a.__exit__(None, None, None)
+    gpu.malloc(200)
+    b.__exit__(None, None, None)
+    assert a.cuda_peak_bytes == 400 and b.cuda_peak_bytes == 300
+    assert a.cuda_reserved_peak_bytes == 400 and b.cuda_reserved_peak_bytes == 400
+
+
+def test_cpu_tracker_reads_no_cuda(monkeypatch):
+    gpu = FakeCudaAllocator()
+    gpu.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: 1 / 0)
+    with MemoryTracker() as mem, MemoryTracker("cpu") as mem_cpu:
+        torch.empty(10)
+    assert mem.cuda_peak_bytes is None and mem_cpu.cuda_reserved_peak_bytes is None

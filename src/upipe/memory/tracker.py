@@ -5,9 +5,7 @@ has its storage counted once unless it is an input's storage (views, in-place op
 weakref finalizer on the storage takes its bytes off again when it is freed. `peak_bytes`
 is the highest sum reached: the memory of tensors *allocated inside the region*, so inputs
 and parameters created before it are excluded, while gradients, activations and
-communication buffers are counted. On CUDA it
-also reads the caching allocator's `max_memory_allocated` over the region, which agrees up
-to allocator rounding and the kernels' internal workspaces.
+communication buffers are counted.
 
     with MemoryTracker() as mem:
         loss = model(x).sum(); loss.backward()
@@ -17,6 +15,34 @@ Storages resized in place (`UntypedStorage.resize_`, which FSDP2 uses to free an
 its unsharded parameters around every all-gather) are followed too: while a tracker is
 active, `torch.UntypedStorage.resize_` is wrapped to report the new size (restored on exit).
 A storage allocated before the region and grown inside it counts from then on.
+
+On CUDA (`MemoryTracker(device)`) it also reads the caching allocator's peaks over the region,
+both relative to the bytes allocated when the region starts (`torch.cuda.memory_allocated`):
+`cuda_peak_bytes` from `max_memory_allocated` (agrees with `peak_bytes` up to allocator
+rounding and the kernels' internal workspaces) and `cuda_reserved_peak_bytes` from
+`max_memory_reserved` (adds cached free blocks and fragmentation; NCCL's buffers show here,
+and the out-of-memory decision is made on reserved memory).
+
+How the CUDA peaks of nested trackers stay exact (torch 2.13 sources): each statistic is a
+`c10::CachingAllocator::Stat` (c10/core/Allocator.h) whose `increase` sets
+peak = max(current, peak) and whose `reset_peak` sets peak = current;
+`DeviceCachingAllocator::resetPeakStats` (c10/cuda/CUDACachingAllocator.cpp) resets every
+statistic of the device, allocated and reserved bytes alike, and `torch.cuda.
+max_memory_allocated` / `max_memory_reserved` (torch/cuda/memory.py) read the
+"allocated_bytes.all.peak" / "reserved_bytes.all.peak" entries of `memory_stats()`. So there is
+one peak per device and process, with no history: the peak over a region can only be read
+as "the peak since the last reset", and a reset wipes it for everyone. Hence, per device:
+- on entering, a tracker first hands the peak since the last reset to the trackers already
+  active on the device (that stretch of time lies inside all of their regions), then resets;
+- on exiting, it reads the peak since the last reset and hands it to itself and to every
+  tracker still active (no reset: the next reader's stretch then starts earlier, at a
+  time still inside its region, which can only repeat a value it has already seen).
+The stretches between consecutive resets tile each tracker's region, and each one is read
+by every tracker whose region contains it, so each tracker's peak is the maximum over
+exactly its region, at any nesting (or overlap) of trackers. Code that calls
+`torch.cuda.reset_peak_memory_stats` itself inside a tracked region loses the trackers the
+peak before its call; and after a tracked region, `max_memory_allocated` counts from the
+last tracker's entry.
 """
 
 from __future__ import annotations
@@ -37,6 +63,18 @@ def _tracked_resize(storage, nbytes):
     for tracker in _ACTIVE:
         tracker._resized(storage, old, storage.nbytes())
     return out
+
+
+def _read_cuda_peaks(index: int) -> None:
+    """Hand the device's allocated and reserved peaks since its last reset to every active
+    tracker on CUDA device `index` (see the module doc)."""
+    torch.cuda.synchronize(index)
+    peaks = torch.cuda.max_memory_allocated(index), torch.cuda.max_memory_reserved(index)
+    for tracker in _ACTIVE:
+        if tracker._cuda_index == index:
+            tracker._cuda_peaks = [
+                max(a, b) for a, b in zip(tracker._cuda_peaks, peaks, strict=True)
+            ]
 
 
 def _plain_tensors(tree, found: list | None = None) -> list:
@@ -64,7 +102,7 @@ class MemoryTracker(TorchDispatchMode):
     """Counts live tensor storages allocated inside the `with` block; see the module doc."""
 
     def __init__(self, device: torch.device | str | None = None, *, count=None):
-        """`device`: on CUDA, also read the allocator's peak. `count`: an optional predicate
+        """`device`: on CUDA, also read the allocator's peaks. `count`: an optional predicate
         on tensors; `counted_peak_bytes` is then the peak of the storages allocated in the
         region that some op output accepted by `count` has used (from that moment on), e.g.
         head-layout buffers: `count=lambda t: t.dim() == 4 and t.shape[1] == S`."""
@@ -77,8 +115,13 @@ class MemoryTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.cuda_peak_bytes: int | None = None
+        """CUDA: `max_memory_allocated` over the region minus `memory_allocated` at its start."""
+        self.cuda_reserved_peak_bytes: int | None = None
+        """CUDA: `max_memory_reserved` over the region minus `memory_allocated` at its start."""
         self._live: dict[int, int] = {}
+        self._cuda_index: int | None = None  # the CUDA device while in the region
         self._cuda_base = 0
+        self._cuda_peaks = [0, 0]  # allocated, reserved: the highest seen in the region
 
     def _free(self, key: int) -> None:
         nbytes = self._live.pop(key, 0)
@@ -146,9 +189,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def __enter__(self):
         if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._cuda_base = torch.cuda.memory_allocated(self.device)
+            index = self.device.index
+            self._cuda_index = torch.cuda.current_device() if index is None else index
+            _read_cuda_peaks(self._cuda_index)  # for the trackers already active (not self)
+            torch.cuda.reset_peak_memory_stats(self._cuda_index)
+            self._cuda_base = torch.cuda.memory_allocated(self._cuda_index)
+            self._cuda_peaks = [self._cuda_base, self._cuda_base]
         if not _ACTIVE:
             torch.UntypedStorage.resize_ = _tracked_resize
         _ACTIVE.append(self)
@@ -156,10 +202,13 @@ class MemoryTracker(TorchDispatchMode):
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        if self._cuda_index is not None:
+            _read_cuda_peaks(self._cuda_index)  # for self and the trackers still active
+            self.cuda_peak_bytes, self.cuda_reserved_peak_bytes = (
+                peak - self._cuda_base for peak in self._cuda_peaks
+            )
+            self._cuda_index = None
         _ACTIVE.remove(self)
         if not _ACTIVE:
             torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
         return out
