@@ -64,35 +64,81 @@ def _release(buf: torch.Tensor, *, keep: torch.Tensor) -> None:
         storage.resize_(0)
 
 
-def seq_to_head(x_BLHd: torch.Tensor, group, layout: str = "contiguous") -> torch.Tensor:
+class Pending:
+    """An exchange in flight (`async_op=True`): `wait()` returns its result. Until then the
+    collective may still run (on CUDA: on the process group's stream, while the caller's
+    stream goes on computing); `wait()` orders the caller's stream after it."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+        finish, self._finish = self._finish, None
+        return finish()
+
+
+class Done(Pending):
+    """A result that needs no waiting (C = 1, or a synchronous exchange)."""
+
+    def __init__(self, result):
+        super().__init__(None, lambda: result)
+
+
+class Together(Pending):
+    """Several pending exchanges as one: `wait()` returns their results as a tuple."""
+
+    def __init__(self, *parts: Pending):
+        super().__init__(None, lambda: tuple(p.wait() for p in parts))
+
+
+def _exchange(send_CB, group, async_op, finish, keep):
+    """all_to_all_single of `send_CB` (destination rank first) into a new buffer, then
+    `finish(recv_CB)`; with `async_op` as a `Pending`. The send buffer is released once the
+    exchange is done (`_release`; never `keep`'s storage, the caller's input)."""
+    recv_CB = torch.empty_like(send_CB)
+    work = dist.all_to_all_single(recv_CB, send_CB, group=group, async_op=async_op)
+
+    def done():
+        _release(send_CB, keep=keep)
+        return finish(recv_CB)
+
+    return Pending(work, done) if async_op else done()
+
+
+def seq_to_head(x_BLHd: torch.Tensor, group, layout: str = "contiguous", *, async_op: bool = False):
     """[B, L, H, d] (my tokens, all heads) -> [B, S, H/C, d] (all tokens, my heads).
 
     The tokens come out in sequence order: with layout="zigzag" (rank r holds chunks r and
-    2C-1-r) the received chunks are put back in order (one copy).
+    2C-1-r) the received chunks are put back in order (one copy). With `async_op` returns a
+    `Pending` whose `wait()` gives the result.
     """
     C = _size(group)
     if C == 1:
-        return x_BLHd
+        return Done(x_BLHd) if async_op else x_BLHd
     B, L, H, d = x_BLHd.shape
     # send_CBLhd[c] = my tokens for the heads of rank c
     send_CBLhd = x_BLHd.unflatten(2, (C, H // C)).permute(2, 0, 1, 3, 4).contiguous()
-    recv_CBLhd = torch.empty_like(send_CBLhd)  # recv[c] = rank c's tokens for my heads
-    dist.all_to_all_single(recv_CBLhd, send_CBLhd, group=group)
-    _release(send_CBLhd, keep=x_BLHd)
-    if layout == "zigzag":  # chunk c < C is rank c's first half, chunk 2C-1-c its second
-        halves_C2BLhd = recv_CBLhd.unflatten(2, (2, L // 2)).transpose(1, 2)
-        chunks_2CBLhd = torch.cat([halves_C2BLhd[:, 0], halves_C2BLhd[:, 1].flip(0)])
-        _release(recv_CBLhd, keep=chunks_2CBLhd)
-        return chunks_2CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
-    return recv_CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
+
+    def finish(recv_CBLhd):  # recv[c] = rank c's tokens for my heads
+        if layout == "zigzag":  # chunk c < C is rank c's first half, chunk 2C-1-c its second
+            halves_C2BLhd = recv_CBLhd.unflatten(2, (2, L // 2)).transpose(1, 2)
+            chunks_2CBLhd = torch.cat([halves_C2BLhd[:, 0], halves_C2BLhd[:, 1].flip(0)])
+            _release(recv_CBLhd, keep=chunks_2CBLhd)
+            return chunks_2CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
+        return recv_CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
+
+    return _exchange(send_CBLhd, group, async_op, finish, keep=x_BLHd)
 
 
-def head_to_seq(x_BShd: torch.Tensor, group, layout: str = "contiguous") -> torch.Tensor:
+def head_to_seq(x_BShd: torch.Tensor, group, layout: str = "contiguous", *, async_op: bool = False):
     """[B, S, H/C, d] (all tokens in order, my heads) -> [B, L, H, d] (my tokens, all heads),
-    my tokens being those of `layout` (the inverse of `seq_to_head`)."""
+    my tokens being those of `layout` (the inverse of `seq_to_head`). With `async_op`
+    returns a `Pending`."""
     C = _size(group)
     if C == 1:
-        return x_BShd
+        return Done(x_BShd) if async_op else x_BShd
     B, S, h, d = x_BShd.shape
     # send_CBLhd[c] = rank c's tokens for my heads
     if layout == "zigzag":  # rank c's tokens: chunk c, then chunk 2C-1-c
@@ -101,13 +147,14 @@ def head_to_seq(x_BShd: torch.Tensor, group, layout: str = "contiguous") -> torc
         send_CBLhd = pairs_BC2chd.flatten(2, 3).transpose(0, 1).contiguous()
     else:
         send_CBLhd = x_BShd.unflatten(1, (C, S // C)).transpose(0, 1).contiguous()
-    recv_CBLhd = torch.empty_like(send_CBLhd)  # recv[c] = my tokens for the heads of rank c
-    dist.all_to_all_single(recv_CBLhd, send_CBLhd, group=group)
-    _release(send_CBLhd, keep=x_BShd)
-    # a copy (made contiguous: when h = 1, reshape may return a strided view of recv)
-    out_BLHd = recv_CBLhd.permute(1, 2, 0, 3, 4).reshape(B, S // C, C * h, d).contiguous()
-    _release(recv_CBLhd, keep=out_BLHd)
-    return out_BLHd
+
+    def finish(recv_CBLhd):  # recv[c] = my tokens for the heads of rank c
+        # a copy (made contiguous: when h = 1, reshape may return a strided view of recv)
+        out_BLHd = recv_CBLhd.permute(1, 2, 0, 3, 4).reshape(B, S // C, C * h, d).contiguous()
+        _release(recv_CBLhd, keep=out_BLHd)
+        return out_BLHd
+
+    return _exchange(send_CBLhd, group, async_op, finish, keep=x_BShd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +164,11 @@ class HeadExchange:
     group: dist.ProcessGroup
     layout: str = "contiguous"
 
-    def to_head(self, x_BLHd: torch.Tensor) -> torch.Tensor:
-        return seq_to_head(x_BLHd, self.group, self.layout)
+    def to_head(self, x_BLHd: torch.Tensor, *, async_op: bool = False):
+        return seq_to_head(x_BLHd, self.group, self.layout, async_op=async_op)
 
-    def to_seq(self, x_BShd: torch.Tensor) -> torch.Tensor:
-        return head_to_seq(x_BShd, self.group, self.layout)
+    def to_seq(self, x_BShd: torch.Tensor, *, async_op: bool = False):
+        return head_to_seq(x_BShd, self.group, self.layout, async_op=async_op)
 
 
 class SeqToHead(torch.autograd.Function):

@@ -16,12 +16,16 @@ The backward reuses the saved `out` and `lse` (no forward recompute):
     delta = rowsum(dO * O),  dS = P * (dP - delta),  dQ = scale * dS K,  dK = scale * dS^T Q
 with dK/dV of a kv head summed over the H / G query heads that share it.
 
-Backends (chosen by argument; `None` picks by device):
+Backends (chosen by argument; `None` picks by device and dtype, `resolve_backend`):
 - "cpu":        aten `_scaled_dot_product_flash_attention_for_cpu` (+ backward); GQA native.
-- "cuda":       aten `_scaled_dot_product_flash_attention` (fp16/bf16) or
-                `_scaled_dot_product_efficient_attention` (fp32); K/V are expanded for GQA.
-- "flash_attn": the `flash_attn` package's kernels when installed; GQA native.
+- "cuda":       aten `_scaled_dot_product_flash_attention` (fp16/bf16; GQA native) or
+                `_scaled_dot_product_efficient_attention` (fp32; K/V expanded for GQA, as
+                that kernel needs equal head counts).
+- "flash_attn": the `flash_attn` package (>= 2.7) when installed; fp16/bf16; GQA native.
 - "reference":  float64 math on the full S x S score matrix; for tests and tiny shapes only.
+The CUDA calls follow the ops' contracts in torch 2.13's sources (attention.cu,
+attention_backward.cu, flash_api.cpp); `tests/cuda_emulation.py` implements those
+contracts on CPU so that the "cuda" path runs in the test suite.
 
 Causal masking is aligned at the diagonal and needs equal query and key lengths (every row
 then sees at least one key, so no fully masked row -- whose lse would be 0, not -inf --
@@ -30,24 +34,52 @@ can occur). Strategies that need off-diagonal blocks call the kernel non-causall
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+import re
 
 import torch
 
 BACKENDS = ("cpu", "cuda", "flash_attn", "reference")
+HALF = (torch.float16, torch.bfloat16)
+FLASH_ATTN_MIN_VERSION = (2, 7)  # the `_flash_attn_backward` keyword arguments used below
 
 
-def default_backend(device: torch.device) -> str:
-    """The backend used for `device` when none is given."""
+@functools.cache
+def flash_attn_version() -> tuple[int, ...] | None:
+    """The installed flash-attn package's (major, minor), or None when it is not installed."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in re.findall(r"\d+", version("flash_attn"))[:2])
+
+
+def default_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The backend used for `device` (and `dtype`) when none is given: on CUDA the flash-attn
+    package for fp16/bf16 when a supported version is installed, else torch's kernels."""
     if device.type == "cuda":
-        return "flash_attn" if importlib.util.find_spec("flash_attn") else "cuda"
+        fa = flash_attn_version()
+        if dtype in HALF and fa is not None and fa >= FLASH_ATTN_MIN_VERSION:
+            return "flash_attn"
+        return "cuda"
     if device.type == "cpu":
         return "cpu"
     raise ValueError(
         f"no attention kernel for device type {device.type!r}; use a cpu or cuda tensor, "
         "or backend='reference'"
     )
+
+
+def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """`backend`, or the default for the device and dtype when None."""
+    return backend or default_backend(device, dtype)
+
+
+def uses_cuda_kernels(backend: str) -> bool:
+    """Whether a resolved backend runs CUDA's kernels (and so CUDA's GEMMs, `upipe.gemm`)."""
+    return backend in ("cuda", "flash_attn")
 
 
 def _check(q, k, v, causal, backend):
@@ -67,6 +99,22 @@ def _check(q, k, v, causal, backend):
         raise ValueError(
             f"causal attention needs equal query ({S}) and key ({k.shape[1]}) lengths; "
             "split off-diagonal blocks and call them with causal=False"
+        )
+    if backend == "flash_attn":
+        fa = flash_attn_version()
+        if fa is None or fa < FLASH_ATTN_MIN_VERSION:
+            found = "not installed" if fa is None else "version " + ".".join(map(str, fa))
+            raise ValueError(
+                f"backend='flash_attn' needs the flash-attn package >= "
+                f"{'.'.join(map(str, FLASH_ATTN_MIN_VERSION))} ({found}); install it "
+                "(pip install flash-attn) or use backend='cuda'"
+            )
+    if backend in ("flash_attn", "cuda") and q.dtype in HALF and d > 256:
+        raise ValueError(f"the flash kernels support head dims up to 256, got {d}")
+    if backend == "flash_attn" and q.dtype not in HALF:
+        raise ValueError(
+            f"backend='flash_attn' takes fp16/bf16 inputs, got {q.dtype}; use backend='cuda' "
+            "(torch's memory-efficient kernel) for fp32"
         )
 
 
@@ -96,7 +144,7 @@ def attention_forward(q, k, v, *, causal=True, softmax_scale=None, backend=None)
 
     Returns (out `[B, S, H, d]` in q's dtype, lse fp32 `[B, H, S]`).
     """
-    backend = backend or default_backend(q.device)
+    backend = resolve_backend(backend, q.device, q.dtype)
     _check(q, k, v, causal, backend)
     scale = _scale(softmax_scale, q.shape[-1])
     if backend == "cpu":
@@ -105,26 +153,15 @@ def attention_forward(q, k, v, *, causal=True, softmax_scale=None, backend=None)
         )
         return out_BHSd.transpose(1, 2), lse_BHS
     if backend == "flash_attn":
-        out, lse = _flash_attn_forward(q, k, v, causal, scale)
-        return out, lse
+        return _flash_attn_forward(q, k, v, causal, scale)
     if backend == "cuda":
-        H = q.shape[2]
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, _expand_kv(k, H), _expand_kv(v, H)))
-        if q.dtype in (torch.float16, torch.bfloat16):
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                qt, kt, vt, 0.0, causal, False, scale=scale
-            )
-        else:
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(
-                qt, kt, vt, None, True, 0.0, causal, scale=scale
-            )
-        return res[0].transpose(1, 2), res[1][:, :, : q.shape[1]]
+        return _cuda_forward(q, k, v, causal, scale)
     return _reference_forward(q, k, v, causal, scale)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, softmax_scale=None, backend=None):
     """Gradients (dq, dk, dv) of `attention_forward`, from its saved `out` and `lse`."""
-    backend = backend or default_backend(q.device)
+    backend = resolve_backend(backend, q.device, q.dtype)
     _check(q, k, v, causal, backend)
     scale = _scale(softmax_scale, q.shape[-1])
     if backend == "cpu":
@@ -183,26 +220,60 @@ def _reference_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.to(q.dtype), _sum_kv(dk, G).to(k.dtype), _sum_kv(dv, G).to(v.dtype)
 
 
-# --- CUDA -------------------------------------------------------------------------------
+# --- CUDA ---------------------------------------------------------------------------------
+# The flash kernels (torch's and flash-attn's) need a head dim that is a multiple of 8 in
+# the backward (flash_api.cpp `mha_bwd`: "head_size should be a multiple of 8"); they take
+# [*, S, *, d] with stride(-1) == 1. Padding q, k, v (and out, dout) with zero columns
+# changes nothing else: q.k and the lse are unchanged (the scale is always passed
+# explicitly), out's padded columns are 0, and the gradients' padded columns are dropped.
+
+
+def _pad8(*ts):
+    pad = (-ts[0].shape[-1]) % 8
+    return ts if pad == 0 else tuple(torch.nn.functional.pad(t, (0, pad)) for t in ts)
+
+
+def _unpad(d, *ts):
+    return tuple(t[..., :d] if t.shape[-1] != d else t for t in ts)
+
+
+def _cuda_forward(q, k, v, causal, scale):
+    d = q.shape[-1]
+    if q.dtype in HALF:  # flash: k/v may have fewer heads (mha_fwd), no expansion
+        qp, kp, vp = _pad8(q, k, v)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            qp.transpose(1, 2),
+            kp.transpose(1, 2),
+            vp.transpose(1, 2),
+            0.0,
+            causal,
+            False,
+            scale=scale,
+        )
+        (out,) = _unpad(d, res[0].transpose(1, 2))
+        return out, res[1]
+    # memory-efficient kernel: equal head counts; its lse is padded to a multiple of 32
+    H = q.shape[2]
+    kt, vt = _expand_kv(k, H).transpose(1, 2), _expand_kv(v, H).transpose(1, 2)
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.transpose(1, 2), kt, vt, None, True, 0.0, causal, scale=scale
+    )
+    return res[0].transpose(1, 2), res[1][:, :, : q.shape[1]]
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
-    H, G = q.shape[2], k.shape[2]
-    dot, qt, ot = dout.transpose(1, 2), q.transpose(1, 2), out.transpose(1, 2)
-    kt, vt = _expand_kv(k, H).transpose(1, 2), _expand_kv(v, H).transpose(1, 2)
-    S, Sk = q.shape[1], k.shape[1]
-    if q.dtype in (torch.float16, torch.bfloat16):
-        cum_q = torch.empty(0, dtype=torch.int32, device=q.device)
+    S, Sk, d = q.shape[1], k.shape[1], q.shape[-1]
+    if q.dtype in HALF:
+        dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
+        # cum_seq_q/k None: an undefined tensor selects the dense kernel; a defined one, even
+        # empty, selects varlen (attention_backward.cu `_flash_attention_backward`). The rng
+        # state is read only with dropout > 0.
         no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dot,
-            qt,
-            kt,
-            vt,
-            ot,
+            *(t.transpose(1, 2) for t in (dop, qp, kp, vp, op)),
             lse,
-            cum_q,
-            cum_q,
+            None,
+            None,
             S,
             Sk,
             0.0,
@@ -211,26 +282,27 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
             no_rng,
             scale=scale,
         )
-    else:
-        # the efficient kernel stores lse padded to a multiple of 32 queries
-        pad = (-S) % 32
-        lse_pad = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dot,
-            qt,
-            kt,
-            vt,
-            None,
-            ot,
-            lse_pad,
-            seed,
-            seed,
-            0.0,
-            [True, True, True, False],
-            causal,
-            scale=scale,
-        )
+        return _unpad(d, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
+    H, G = q.shape[2], k.shape[2]
+    kt, vt = _expand_kv(k, H).transpose(1, 2), _expand_kv(v, H).transpose(1, 2)
+    pad = (-S) % 32  # the efficient kernel takes its lse padded to a multiple of 32 queries
+    lse_pad = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.transpose(1, 2),
+        q.transpose(1, 2),
+        kt,
+        vt,
+        None,
+        out.transpose(1, 2),
+        lse_pad,
+        seed,
+        seed,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, _sum_kv(dk, G), _sum_kv(dv, G)
 
@@ -238,22 +310,27 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
 def _flash_attn_forward(q, k, v, causal, scale):
     import flash_attn
 
+    d = q.shape[-1]
+    qp, kp, vp = _pad8(q, k, v)
     out, lse, _ = flash_attn.flash_attn_func(
-        q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True
+        qp, kp, vp, softmax_scale=scale, causal=causal, return_attn_probs=True
     )
+    (out,) = _unpad(d, out)
     return out, lse
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
     from flash_attn.flash_attn_interface import _flash_attn_backward as fa_backward
 
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d = q.shape[-1]
+    dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
+    dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
     fa_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
+        dop,
+        qp,
+        kp,
+        vp,
+        op,
         lse,
         dq,
         dk,
@@ -268,4 +345,4 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
         deterministic=False,
         rng_state=None,
     )
-    return dq, dk, dv
+    return _unpad(d, dq, dk, dv)

@@ -4,11 +4,24 @@ A rank that finds its input invalid must not raise alone: its peers would then w
 in the next collective. So each rank checks its own input, then the ranks exchange one small
 object -- (error, local shapes) -- and every rank raises the same error, naming the rank
 whose input is wrong, or a mismatch between ranks (e.g. different local sequence lengths).
+
+The exchange happens once per distinct call signature (shapes, dtype, options) and group:
+an agreed signature is remembered (`_AGREED`), and a later call with the same signature only
+runs the local checks -- no collective, no host-device synchronisation, nothing that stops
+`torch.compile` (the agreement runs outside the graph: `torch.compiler.disable`). A training
+step calls every layer with the same shapes, so the exchange happens at the first step only.
+What this gives up: a rank whose input changes to a *new* signature while its peers repeat
+an agreed one enters the exchange alone; that is caught by the process group's timeout, not
+by a `ValueError`. Inputs that change on every rank together (a new sequence length) are
+agreed again before any collective, as on the first call. `forget_agreements()` clears the
+memory (e.g. between tests that reuse a group with deliberately inconsistent inputs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -94,14 +107,27 @@ def check_qkv_local(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
 
-def agree_across_ranks(group, local_check, signature_fn, cohort=None) -> None:
+# group -> {(cohort, signature)} agreed by all of the group's ranks (see the module doc)
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forget_agreements() -> None:
+    """Forget every agreed signature: the next call of each layer exchanges its verdict."""
+    _AGREED.clear()
+
+
+@torch.compiler.disable
+def agree_across_ranks(group, local_check, signature_fn, cohort=None, device=None) -> None:
     """Run `local_check()` here, then make every rank of `group` raise the same error.
 
     `signature_fn()` describes what all ranks must agree on (shapes, dtype, options); it is
     only called when the local check passed. `cohort` (any hashable; default: one for all)
     limits that agreement to the ranks passing the same cohort -- on a mesh, the ranks of
     one ring x ulysses block -- while errors still reach every rank of `group`. One
-    all_gather_object, no other collective.
+    all_gather_object the first time a signature is seen, none after (module doc). On
+    NCCL the exchange runs on `device` (the inputs' GPU), whatever the current device is:
+    `all_gather_object` stages its bytes on `torch.cuda.current_device()`, which is GPU 0
+    on every rank of a job that never called `torch.cuda.set_device`.
     """
     error, signature = None, None
     try:
@@ -114,9 +140,14 @@ def agree_across_ranks(group, local_check, signature_fn, cohort=None) -> None:
         if error is not None:
             raise error
         return
+    key = None if error is not None else (cohort, tuple(signature.items()))
+    if key is not None and key in _AGREED.get(group, ()):
+        return
     reports = [None] * C
     payload = (type(error).__name__, str(error)) if error is not None else None
-    dist.all_gather_object(reports, (payload, signature, cohort), group=group)
+    on_gpu = isinstance(device, torch.device) and device.type == "cuda"
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        dist.all_gather_object(reports, (payload, signature, cohort), group=group)
     for rank, (err, _, _) in enumerate(reports):
         if err is not None:
             if error is not None:
@@ -138,6 +169,7 @@ def agree_across_ranks(group, local_check, signature_fn, cohort=None) -> None:
                 "options and an equal-length shard of the sequence (pad the sequence to a "
                 "multiple of the group size)"
             )
+    _AGREED.setdefault(group, set()).add(key)
 
 
 def check_ring_layout(layout, P: int, R: int, C: int) -> None:
@@ -236,7 +268,8 @@ def validate_qkv(
         }
 
     agree_group, cohort = agree or (group, None)
-    agree_across_ranks(agree_group, local, signature, cohort)
+    device = q.device if isinstance(q, torch.Tensor) else None
+    agree_across_ranks(agree_group, local, signature, cohort, device)
 
 
 def _saved_tensor_hooks_active() -> bool:

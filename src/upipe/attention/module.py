@@ -52,6 +52,11 @@ class ContextParallelAttention(nn.Module):
     (layout of the ring dim, default "zigzag"; `sequence_positions(S, mesh=mesh)` gives
     their positions), and C is the ulysses size.
     Exactly one of group/mesh. All ranks call it together (it communicates).
+    `overlap` (strategy "upipe"): start each next stage's all-to-alls while the current
+    stage's attention runs (same results bit for bit; costs the next stage's buffers, 2U/H
+    forward and 6U/H backward of one [B, L, H*d] tensor; `upipe.attention.fused`). None:
+    on for CUDA inputs, where NCCL runs the exchange on its own stream beside the kernel;
+    off on CPU, where gloo's exchange competes with the kernel for the same cores.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class ContextParallelAttention(nn.Module):
         layout: str | None = None,
         strategy: str = "upipe",
         heads_per_stage: int | None = None,
+        overlap: bool | None = None,
         rope_theta: float = 10000.0,
         rope_interleaved: bool = False,
         qk_norm: bool = False,
@@ -123,6 +129,9 @@ class ContextParallelAttention(nn.Module):
             self.rounds = plan_rounds(num_heads, num_kv_heads, C, heads_per_stage)
         elif heads_per_stage is not None:
             raise ValueError("heads_per_stage applies to strategy='upipe' only")
+        elif overlap:
+            raise ValueError("overlap applies to strategy='upipe' only")
+        self.overlap = overlap
         # the sequence layout: of the group (1-D), or of the mesh's ring dim (2-D)
         self.group, self.mesh = ulysses, mesh
         self.layout = layout or ("contiguous" if mesh is None and strategy != "ring" else "zigzag")
@@ -187,7 +196,8 @@ class ContextParallelAttention(nn.Module):
             return {"x shape": tuple(x.shape), "dtype": str(x.dtype)}
 
         group, cohort = self.agree or (self.group, None)
-        agree_across_ranks(group, local, signature, cohort)
+        device = x.device if isinstance(x, torch.Tensor) else None
+        agree_across_ranks(group, local, signature, cohort, device)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         self._validate(x, position_ids)
@@ -227,6 +237,7 @@ class ContextParallelAttention(nn.Module):
                 layout=self.layout if self.mesh is None else "contiguous",
                 ring_group=self.ring_group,
                 ring_layout=self.layout,
+                overlap=self.overlap,
             )
             return y if self.o_proj.bias is None else y + self.o_proj.bias
         B, L, _ = x.shape

@@ -17,11 +17,22 @@ kv heads, each shared by g' = H / G' query heads:
 Head lists are rank-major, so after the all-to-all rank r holds query heads [u of them]
 and kv heads [k], and local query i uses local kv head i // u' (standard GQA locally).
 U = H gives one round of one stage: plain Ulysses.
+
+No index tensors: query head h = vk * g' + i sits at (vk, i) of the [G', g'] head grid, and
+a stage takes the rectangle rows `first .. first + width - 1` (the round's virtual kv
+heads), columns `s * u' .. s * u' + u' - 1` -- a strided view (`select_q`). A round's
+virtual kv heads are consecutive real heads, each repeated R times (`select_kv`). Slicing
+needs no device tensor built from a Python list, so the stage loops issue no host-device
+synchronisation (a `torch.tensor(list, device="cuda")` would copy from pageable memory and
+wait for the stream), and under fake tensors and `torch.compile` they are plain views.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +41,60 @@ class Round:
     """Real kv head indices, rank-major (C * k entries; repeats when G < C)."""
     stages: tuple[tuple[int, ...], ...]
     """Per stage, the U query head indices, rank-major."""
+    first: int
+    """The round's first virtual kv head (a row of the [G', g'] head grid)."""
+    width: int
+    """Virtual kv heads in the round: C * k."""
+    replicas: int
+    """R: copies of each real kv head (C / G when G < C, else 1)."""
+    per_kv: int
+    """g': query heads per virtual kv head (columns of the head grid)."""
+    stage_width: int
+    """u': query heads of each virtual kv head in one stage."""
+
+
+def select_q(t: torch.Tensor, dim: int, rnd: Round, stage: int) -> torch.Tensor:
+    """Stage `stage` of `rnd`'s query heads of t (H heads at `dim`), as a view with the heads
+    at dims (dim, dim + 1) = [width, u']; `.flatten(dim, dim + 1)` lists them in the order of
+    `rnd.stages[stage]` (a copy, as the heads are strided)."""
+    grid = t.unflatten(dim, (-1, rnd.per_kv))
+    rows = grid.narrow(dim, rnd.first, rnd.width)
+    return rows.narrow(dim + 1, stage * rnd.stage_width, rnd.stage_width)
+
+
+def put_q(dst: torch.Tensor, dim: int, rnd: Round, stage: int, src: torch.Tensor) -> None:
+    """dst's query heads of the stage (H heads at `dim`) <- src (U heads at `dim`)."""
+    view = select_q(dst, dim, rnd, stage)
+    view.copy_(src.view(view.shape))
+
+
+def _real_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
+    return t.narrow(dim, rnd.first // rnd.replicas, rnd.width // rnd.replicas)
+
+
+def select_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
+    """The round's C * k virtual kv heads of t (G real heads at `dim`), in the order of
+    `rnd.kv_heads`: a view, or with replicas (G < C) a copy repeating each real head R
+    times."""
+    real = _real_kv(t, dim, rnd)
+    if rnd.replicas == 1:
+        return real
+    shape = list(real.shape)
+    shape.insert(dim + 1, rnd.replicas)
+    return real.unsqueeze(dim + 1).expand(shape).flatten(dim, dim + 1)
+
+
+def add_kv_(acc: torch.Tensor, dim: int, rnd: Round, g: torch.Tensor) -> None:
+    """In place: acc's kv heads of the round (G at `dim`) += g (C * k at `dim`), the R
+    replicas of a head summed in acc's dtype (fp32 accumulators take bf16 parts)."""
+    parts = g.unflatten(dim, (-1, rnd.replicas)).sum(dim + 1, dtype=acc.dtype)
+    _real_kv(acc, dim, rnd).add_(parts)
+
+
+def put_kv(dst: torch.Tensor, dim: int, rnd: Round, g: torch.Tensor) -> None:
+    """dst's kv heads of the round <- g, for an unreplicated round (each head once)."""
+    assert rnd.replicas == 1, "replicated kv heads are summed: use add_kv_"
+    _real_kv(dst, dim, rnd).copy_(g)
 
 
 def valid_heads_per_stage(H: int, G: int, C: int) -> list[int]:
@@ -72,8 +137,10 @@ def check_heads_per_stage(H: int, G: int, C: int, U) -> int:
     return U
 
 
-def plan_rounds(H: int, G: int, C: int, U: int) -> list[Round]:
-    """The stage schedule for validated (H, G, C, U); see the module docstring."""
+@functools.lru_cache(maxsize=256)
+def plan_rounds(H: int, G: int, C: int, U: int) -> tuple[Round, ...]:
+    """The stage schedule for validated (H, G, C, U); see the module docstring. Cached:
+    every layer call with the same head counts gets the same (immutable) schedule."""
     R = max(1, C // G)  # replication of each kv head
     Gv = max(G, C)
     gv, u = H // Gv, U // C
@@ -84,5 +151,15 @@ def plan_rounds(H: int, G: int, C: int, U: int) -> list[Round]:
         stages = tuple(
             tuple(vk * gv + j + i for vk in virtual for i in range(up)) for j in range(0, gv, up)
         )
-        rounds.append(Round(kv_heads=tuple(vk // R for vk in virtual), stages=stages))
-    return rounds
+        rounds.append(
+            Round(
+                kv_heads=tuple(vk // R for vk in virtual),
+                stages=stages,
+                first=start,
+                width=C * k,
+                replicas=R,
+                per_kv=gv,
+                stage_width=up,
+            )
+        )
+    return tuple(rounds)

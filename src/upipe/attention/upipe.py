@@ -35,7 +35,15 @@ from upipe.attention.common import (
     resolve_groups,
     validate_qkv,
 )
-from upipe.attention.schedule import check_heads_per_stage, plan_rounds
+from upipe.attention.schedule import (
+    add_kv_,
+    check_heads_per_stage,
+    plan_rounds,
+    put_kv,
+    put_q,
+    select_kv,
+    select_q,
+)
 from upipe.attention.stage import StageAttention
 from upipe.comm import HeadExchange
 from upipe.kernels import acc_dtype
@@ -50,28 +58,27 @@ def accumulate(acc, t):
     return acc
 
 
-def _heads(t_BLnd, idx):
-    """The listed heads of t, as a new contiguous [B, L, len(idx), d] tensor."""
-    return t_BLnd.index_select(2, idx)
+def _q_heads(t_BLHd, rnd, s):
+    """Stage s's query heads of t, as a new contiguous [B, L, U, d] tensor."""
+    return select_q(t_BLHd, 2, rnd, s).flatten(2, 3).contiguous()
 
 
-def _index(heads, device):
-    return torch.tensor(heads, dtype=torch.long, device=device)
+def _kv_heads(t_BLGd, rnd):
+    """The round's (virtual) kv heads of t, as a contiguous [B, L, C*k, d] tensor."""
+    return select_kv(t_BLGd, 2, rnd).contiguous()
 
 
 def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn):
     out_BLHd = torch.empty_like(q_BLHd)
     lse_list = []
     for rnd in rounds:
-        kv_idx = _index(rnd.kv_heads, q_BLHd.device)
-        k_BSkd = ex.to_head(_heads(k_BLGd, kv_idx))
-        v_BSkd = ex.to_head(_heads(v_BLGd, kv_idx))
-        for stage in rnd.stages:
-            q_idx = _index(stage, q_BLHd.device)
-            q_BSud = ex.to_head(_heads(q_BLHd, q_idx))
+        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd))
+        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd))
+        for s in range(len(rnd.stages)):
+            q_BSud = ex.to_head(_q_heads(q_BLHd, rnd, s))
             out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
-            out_BLHd.index_copy_(2, q_idx, ex.to_seq(out_BSud))
+            put_q(out_BLHd, 2, rnd, s, ex.to_seq(out_BSud))
             lse_list.append(lse_BuS)
         del k_BSkd, v_BSkd
     return out_BLHd, lse_list
@@ -81,7 +88,7 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
     dq_BLHd = torch.empty_like(q_BLHd)
     # kv gradients: each kv head comes back once, unless it is replicated (G < C): then its
     # replicas are summed, in fp32
-    replicated = sum(len(r.kv_heads) for r in rounds) > k_BLGd.shape[2]
+    replicated = rounds[0].replicas > 1
     if replicated:
         dk_BLGd = torch.zeros(k_BLGd.shape, dtype=acc_dtype(k_BLGd.dtype), device=k_BLGd.device)
         dv_BLGd = torch.zeros_like(dk_BLGd)
@@ -89,14 +96,12 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
         dk_BLGd, dv_BLGd = torch.empty_like(k_BLGd), torch.empty_like(v_BLGd)
     lse_iter = iter(lse_list)
     for rnd in rounds:
-        kv_idx = _index(rnd.kv_heads, q_BLHd.device)
-        k_BSkd = ex.to_head(_heads(k_BLGd, kv_idx))
-        v_BSkd = ex.to_head(_heads(v_BLGd, kv_idx))
+        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd))
+        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd))
         dk32_BSkd = dv32_BSkd = None
-        for stage in rnd.stages:
-            q_idx = _index(stage, q_BLHd.device)
+        for s in range(len(rnd.stages)):
             q_BSud, out_BSud, dout_BSud = (
-                ex.to_head(_heads(t, q_idx)) for t in (q_BLHd, out_BLHd, dout_BLHd)
+                ex.to_head(_q_heads(t, rnd, s)) for t in (q_BLHd, out_BLHd, dout_BLHd)
             )
             dq_BSud, dk_BSkd, dv_BSkd = attn.backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, next(lse_iter)
@@ -105,7 +110,7 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            dq_BLHd.index_copy_(2, q_idx, ex.to_seq(dq_BSud))
+            put_q(dq_BLHd, 2, rnd, s, ex.to_seq(dq_BSud))
         del k_BSkd, v_BSkd
         # the round's dk, dv go back once; each sum is freed as soon as it is sent
         kv_sums = [(dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)]
@@ -114,10 +119,10 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
             d_BLGd, d32_BSkd = kv_sums.pop(0)
             d_BLkd = ex.to_seq(d32_BSkd.to(k_BLGd.dtype))
             del d32_BSkd
-            if replicated:
-                d_BLGd.index_add_(2, kv_idx, d_BLkd)
+            if replicated:  # fp32 sums of the replicas (bf16 parts, fp32 accumulator)
+                add_kv_(d_BLGd, 2, rnd, d_BLkd)
             else:
-                d_BLGd.index_copy_(2, kv_idx, d_BLkd)
+                put_kv(d_BLGd, 2, rnd, d_BLkd)
             del d_BLkd
     return dq_BLHd, dk_BLGd.to(k_BLGd.dtype), dv_BLGd.to(v_BLGd.dtype)
 

@@ -16,7 +16,7 @@ UPipe, fused module (peak: at a stage's kernel backward):
     y + [outputs still to use + projection gradients waiting, or dx] + kv buffers (2 kv)
       + dk/dv accumulators (2 kv, once a round has more than one stage) + q, out, dout, dq
       of the stage (4s) + the kernel's dk, dv (2 kv) + weight gradients (2w + 2wr) + c
-      + remaining lse + one stage's o_proj columns (w*s)
+      + remaining lse
 The bracket is what `fused._DxAccumulator` keeps at about 1 unit (y + 1 is the floor: the
 layer's output and the saved attention output, or dx, cannot go away); everything else
 scales with s = U/H or with kv = C*k/H, so it shrinks as the stage gets smaller.
@@ -80,7 +80,7 @@ def upipe_peak_units(sh: LayerShape, U: int) -> float:
     k, up = max(1, u // gv), min(u, gv)
     n_s, n_r = gv // up, Gv // (C * k)
     s, kv = U / H, C * k / H
-    fixed = m["y"] + 2 * m["w"] + 2 * m["w"] * a * m["r"] + m["c"] + m["w"] * s
+    fixed = m["y"] + 2 * m["w"] + 2 * m["w"] * a * m["r"] + m["c"]
     # round kv buffers + at the kernel: stage q/out/dout/dq and dk/dv; or while dout is sent:
     # q, out (head layout), dout (sequence layout) and its send and receive buffers
     stage = 2 * kv + max(4 * s + 2 * kv, 5 * s)
