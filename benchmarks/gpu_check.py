@@ -227,9 +227,7 @@ def _strategy_rows(device, s, dtype, group, mesh):
     rows = []
     for name, fn in fns.items():
         case = dict(strategy=name, dtype=str(dtype)[6:])
-        rows.append(
-            row(case, lambda *a: check(fwd_bwd(*a[:3]), *a[3:]), fn, qkv, dout, truth, tols)
-        )
+        rows.append(row(case, _strategy_case, fn, qkv, dout, truth, tols))
     # the layer: weights and inputs drawn in fp32, truth in fp64
     x, dy = randn(B, S, D, device=device, seed=10), randn(B, S, D, device=device, seed=11)
     pos = torch.arange(S, device=device).expand(B, S)
@@ -241,6 +239,10 @@ def _strategy_rows(device, s, dtype, group, mesh):
         case = dict(strategy=f"module {strategy}", dtype=str(dtype)[6:])
         rows.append(row(case, _module_case, s, strategy, dtype, group, (x, dy, pos), w, truth))
     return rows
+
+
+def _strategy_case(fn, qkv, dout, truth, tols):
+    return check(fwd_bwd(fn, qkv, dout), truth, tols)
 
 
 def _module_case(s, strategy, dtype, group, inputs, weights, truth):
