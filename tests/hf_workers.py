@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from upipe.attention.common import forget_agreements
+
 # tiny decoders: 8 query heads, 4 kv heads (GQA, and Ulysses at 4 ranks), head dim 8, 2 layers
 BASE_CONFIG = dict(
     hidden_size=64,
@@ -108,6 +110,7 @@ def expect_errors(rank, world_size, cases):
     found = {}
     for name in cases:
         msg = None
+        forget_agreements()  # a first call: ranks whose inputs differ must exchange verdicts
         try:
             _error_case(name, group, apply_context_parallel, shard_batch)
         except ValueError as e:

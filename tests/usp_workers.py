@@ -7,6 +7,7 @@ import torch.distributed as dist
 from workers import MODULE_ARGS, make_module_inputs, make_qkv, make_weights
 
 import upipe
+from upipe.attention.common import forget_agreements
 from upipe.comm import seq_to_head, sequence_positions, shard_sequence, unshard_sequence
 
 _MESHES: dict = {}
@@ -97,6 +98,7 @@ def mesh_layout(rank, world_size, dims, B, S):
 
 
 def _error(call):
+    forget_agreements()  # a first call: ranks whose inputs differ must exchange verdicts
     try:
         call()
     except (TypeError, ValueError) as e:

@@ -221,11 +221,14 @@ def _reference_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 # --- CUDA ---------------------------------------------------------------------------------
-# The flash kernels (torch's and flash-attn's) need a head dim that is a multiple of 8 in
-# the backward (flash_api.cpp `mha_bwd`: "head_size should be a multiple of 8"); they take
-# [*, S, *, d] with stride(-1) == 1. Padding q, k, v (and out, dout) with zero columns
-# changes nothing else: q.k and the lse are unchanged (the scale is always passed
-# explicitly), out's padded columns are 0, and the gradients' padded columns are dropped.
+# The flash kernels (torch's aten ops and flash-attn's backward) need a head dim that is a
+# multiple of 8 (flash_api.cpp `mha_fwd`/`mha_bwd`: "head_size should be a multiple of 8";
+# only F.scaled_dot_product_attention pads, the aten ops do not), and the memory-efficient
+# kernel's sm80+ instances need rows aligned to 8 (half) / 4 (fp32) elements (cutlassF.h:
+# "no kernel found to launch"). All take [*, S, *, d] with stride(-1) == 1. Padding q, k,
+# v (and out, dout) with zero columns to a multiple of 8 changes nothing else: q.k and the
+# lse are unchanged (the scale is always passed explicitly), out's padded columns are 0,
+# and the gradients' padded columns are dropped.
 
 
 def _pad8(*ts):
@@ -254,11 +257,19 @@ def _cuda_forward(q, k, v, causal, scale):
         return out, res[1]
     # memory-efficient kernel: equal head counts; its lse is padded to a multiple of 32
     H = q.shape[2]
-    kt, vt = _expand_kv(k, H).transpose(1, 2), _expand_kv(v, H).transpose(1, 2)
+    qp, kp, vp = _pad8(q, _expand_kv(k, H), _expand_kv(v, H))
     res = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.transpose(1, 2), kt, vt, None, True, 0.0, causal, scale=scale
+        qp.transpose(1, 2),
+        kp.transpose(1, 2),
+        vp.transpose(1, 2),
+        None,
+        True,
+        0.0,
+        causal,
+        scale=scale,
     )
-    return res[0].transpose(1, 2), res[1][:, :, : q.shape[1]]
+    (out,) = _unpad(d, res[0].transpose(1, 2))
+    return out, res[1][:, :, : q.shape[1]]
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
@@ -284,17 +295,17 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
         )
         return _unpad(d, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
     H, G = q.shape[2], k.shape[2]
-    kt, vt = _expand_kv(k, H).transpose(1, 2), _expand_kv(v, H).transpose(1, 2)
-    pad = (-S) % 32  # the efficient kernel takes its lse padded to a multiple of 32 queries
-    lse_pad = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+    dop, qp, kp, vp, op = _pad8(dout, q, _expand_kv(k, H), _expand_kv(v, H), out)
+    pad = (-S) % 32  # the efficient kernel reads its lse padded to a multiple of 32 queries
+    lse_pad = torch.nn.functional.pad(lse, (0, pad)) if pad else lse  # (finite padding)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.transpose(1, 2),
-        q.transpose(1, 2),
-        kt,
-        vt,
+        dop.transpose(1, 2),
+        qp.transpose(1, 2),
+        kp.transpose(1, 2),
+        vp.transpose(1, 2),
         None,
-        out.transpose(1, 2),
+        op.transpose(1, 2),
         lse_pad,
         seed,
         seed,
@@ -303,7 +314,7 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
         causal,
         scale=scale,
     )
-    dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    dq, dk, dv = _unpad(d, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
     return dq, _sum_kv(dk, G), _sum_kv(dv, G)
 
 

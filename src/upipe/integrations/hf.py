@@ -192,7 +192,7 @@ def _input_hook(state):
         def signature():
             B, L = x.shape[:2]
             # a sequence continues across the ranks: rank block r starts at offset + r * L
-            offsets = (pos[:, 0] - block * L).tolist()
+            offsets = tuple((pos[:, 0] - block * L).tolist())  # (once per model call)
             return {"local batch x tokens": (B, L), "position offset": offsets}
 
         group, cohort = state["agree"] or (state["ulysses"], None)
