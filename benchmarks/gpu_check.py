@@ -506,7 +506,7 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "attention_backend": default_backend(device),
+        "attention_backend_bf16": default_backend(device, torch.bfloat16),  # parts 3-5
         "sizes": sizes,
         "estimate_s": estimate_s(sizes),
         "note": "parts 4-5 run one rank under the fake process group: communication is free",
