@@ -16,8 +16,9 @@ What the simulation replaces, and why it does not change the memory:
   Memory is counted per storage, so the device type does not matter -- except that the CPU
   attention kernel stands in for the CUDA one: the CPU flash kernel and flash-attn both take
   GQA natively and return an fp32 log-sum-exp, so their buffers agree.
-- Activation offload keeps the checkpointed block inputs on the *meta* device: those copies
-  are counted apart as host bytes (`host_peak_bytes`), the rest is device memory.
+- Activation offload keeps the checkpointed block inputs on the *meta* device: the
+  offloader's host arena (`upipe.model.offload`, allocated at its exact size on CUDA too) is
+  counted apart as host bytes (`host_peak_bytes`), the rest is device memory.
 - Data-dependent scalars have no value under fake tensors; `StepTracker` answers them:
   `.item()` gives 1 (the loss printed, the token count checked > 0, AdamW's step count in
   its bias correction: none of them shapes a tensor). The step has no other
@@ -54,6 +55,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from upipe import loops
 from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
+from upipe.model.offload import Offloader
 
 HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -310,8 +312,8 @@ class StepSimulator:
         finally:
             torch.set_default_dtype(default)
         trainer.tracker = mem
-        if cfg.offload:
-            trainer.model.offload = HOST_DEVICE  # upipe train offloads to "cpu" when on CUDA
+        if cfg.offload:  # upipe train offloads to the host when on CUDA
+            trainer.model.offload = Offloader(n_layers, host=HOST_DEVICE)
         trainer.batch = types.MethodType(_synthetic_batch, trainer)
         # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
         with _kernels(self.kernels):

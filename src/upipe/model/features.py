@@ -1,5 +1,5 @@
 """Memory features that do not change the math: sequence-tiled recomputation and activation
-checkpointing with optional offload of the saved input to host memory.
+checkpointing with optional offload of the saved input to host memory (`upipe.model.offload`).
 
 Both are "reentrant" autograd Functions: forward runs `fn` without recording a graph, and
 backward re-runs it on the saved input with grad enabled and back-propagates through it, so
@@ -13,8 +13,10 @@ Legend: B batch, L local sequence, D width, T tile tokens.
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from upipe import loops
+from upipe.model.offload import Offloader
 
 
 def _tiled(fn, x_BLD: torch.Tensor, tile: int) -> torch.Tensor:
@@ -71,41 +73,54 @@ def tiled_recompute(fn, x_BLD: torch.Tensor, tile_tokens: int) -> torch.Tensor:
 
 
 class _Checkpoint(torch.autograd.Function):
-    """y = fn(x, *args) keeping only x (on `offload` if given) for backward."""
+    """y = fn(x, *args) keeping only x (in the offloader's host slot `index` if given).
+
+    Backward recomputes y with grad, releases it (its backward needs only its graph, not its
+    values: one [B, L, D] less while the block's backward runs, the room the offloader's
+    prefetch of the next block input takes), and back-propagates dy through the graph.
+    """
 
     @staticmethod
-    def forward(ctx, x, fn, offload, *args):
-        ctx.fn, ctx.args, ctx.device = fn, args, x.device
-        if offload is None or torch.device(offload) == x.device:
-            ctx.save_for_backward(x)
-            ctx.host = None
-        else:  # async device -> pinned host copy, ordered on the current stream
-            pin = x.device.type == "cuda"
-            ctx.host = torch.empty(x.shape, dtype=x.dtype, device=offload, pin_memory=pin)
-            ctx.host.copy_(x, non_blocking=pin)
-        return fn(x, *args)
-
-    @staticmethod
-    def backward(ctx, dy):
-        if ctx.host is None:
-            (x,) = ctx.saved_tensors
+    def forward(ctx, x_BLD, fn, offload, index, *args):
+        ctx.fn, ctx.args, ctx.offload, ctx.index = fn, args, offload, index
+        if offload is None:
+            ctx.save_for_backward(x_BLD)
         else:
-            x = ctx.host.to(ctx.device, non_blocking=True)
-            ctx.host = None
-        x = x.detach().requires_grad_()
+            ctx.device, ctx.token = x_BLD.device, offload.save(x_BLD, index)
+        return fn(x_BLD, *args)
+
+    @staticmethod
+    def backward(ctx, dy_BLD):
+        if ctx.offload is None:
+            (x_BLD,) = ctx.saved_tensors
+        else:
+            x_BLD = ctx.offload.load(ctx.token, ctx.index, ctx.device)
+        x_BLD = x_BLD.detach().requires_grad_()
         with torch.enable_grad():
-            y = ctx.fn(x, *ctx.args)
-        torch.autograd.backward(y, dy)
-        return (x.grad, None, None) + (None,) * len(ctx.args)
+            y_BLD = ctx.fn(x_BLD, *ctx.args)
+        y_edge = get_gradient_edge(y_BLD)
+        del y_BLD
+        if ctx.offload is not None:
+            ctx.offload.prefetch(ctx.index - 1, ctx.device)
+        torch.autograd.backward(y_edge, dy_BLD)
+        return (x_BLD.grad, None, None, None) + (None,) * len(ctx.args)
 
 
-def checkpoint(fn, x: torch.Tensor, *args, offload: str | torch.device | None = None):
+def checkpoint(
+    fn, x_BLD: torch.Tensor, *args, offload: Offloader | None = None, index: int | None = None
+) -> torch.Tensor:
     """`fn(x, *args)` saving only x for backward (recomputing the rest there).
 
-    `offload`: a device (normally "cpu" when x is on CUDA) that holds the saved x between
-    forward and backward; None keeps it where it is. `args` are not differentiated
-    (positions and the like).
+    `offload`: the model's `Offloader`, which keeps x in host memory between forward and
+    backward, in slot `index` (the block's position in forward order; in this block's
+    backward the offloader brings back block index - 1's input ahead); None keeps x where it
+    is. `args` are not differentiated (positions and the like).
     """
-    if not (torch.is_grad_enabled() and x.requires_grad):
-        return fn(x, *args)
-    return _Checkpoint.apply(x, fn, offload, *args)
+    if offload is not None and not (isinstance(offload, Offloader) and isinstance(index, int)):
+        raise ValueError(
+            f"offload must be an upipe Offloader, with the block's index, or None; got "
+            f"offload={offload!r}, index={index!r}"
+        )
+    if not (torch.is_grad_enabled() and x_BLD.requires_grad):
+        return fn(x_BLD, *args)
+    return _Checkpoint.apply(x_BLD, fn, offload, index, *args)

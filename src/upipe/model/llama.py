@@ -11,7 +11,8 @@ parameters. Inputs are token ids with their *global* positions, so the same code
 whole sequence or on one rank's shard of it.
 
 Memory features (settable attributes, off by default, none changes the math):
-`CausalLM.checkpoint_blocks` (+ `offload`), `MLP.tile_tokens`, `CausalLM.loss_chunk_tokens`.
+`CausalLM.checkpoint_blocks` (+ `offload`, an `upipe.model.offload.Offloader`), `MLP.tile_tokens`,
+`CausalLM.loss_chunk_tokens`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from upipe.loss import cross_entropy_sum
 from upipe.model.config import ModelConfig
 from upipe.model.features import checkpoint, tiled_recompute
+from upipe.model.offload import Offloader
 from upipe.rope import apply_rope, rope_cos_sin
 
 
@@ -116,7 +118,7 @@ class CausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.checkpoint_blocks = False
-        self.offload: str | None = None
+        self.offload: Offloader | None = None
         self.loss_chunk_tokens: int | None = None
 
     @torch.no_grad()
@@ -141,9 +143,9 @@ class CausalLM(nn.Module):
 
     def hidden(self, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
         h_BLD = self.model.embed_tokens(input_ids_BL)
-        for block in self.model.layers:
+        for i, block in enumerate(self.model.layers):
             if self.checkpoint_blocks:
-                h_BLD = checkpoint(block, h_BLD, position_ids_BL, offload=self.offload)
+                h_BLD = checkpoint(block, h_BLD, position_ids_BL, offload=self.offload, index=i)
             else:
                 h_BLD = block(h_BLD, position_ids_BL)
         return self.model.norm(h_BLD)

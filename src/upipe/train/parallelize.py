@@ -20,6 +20,7 @@ from torch import nn
 from upipe.attention.module import ContextParallelAttention
 from upipe.comm import sequence_positions
 from upipe.model.llama import Attention, CausalLM
+from upipe.model.offload import Offloader
 
 STRATEGIES = ("none", "ulysses", "upipe", "ring", "usp")
 
@@ -118,7 +119,8 @@ def apply_memory_features(model: CausalLM, features: MemoryFeatures, device) -> 
     model.loss_chunk_tokens = features.loss_chunk
     model.checkpoint_blocks = features.checkpoint
     on_device = torch.device(device).type not in ("cpu", "meta")
-    model.offload = "cpu" if features.offload and on_device else None
+    offload = features.offload and on_device  # (on the CPU the inputs are in host memory already)
+    model.offload = Offloader(len(model.model.layers)) if offload else None
     return model
 
 

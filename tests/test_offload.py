@@ -1,0 +1,235 @@
+"""Activation offload (`upipe.model.offload`) on the CPU: the offloader's arena is a separate
+host tensor, so slicing, copies back, prefetch order and reuse run as on CUDA (only the side
+stream, its events and the page-locking are CUDA-only)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+
+import pytest
+import torch
+
+from upipe.memory import MemoryTracker
+from upipe.model import CausalLM, get_config
+from upipe.model.features import checkpoint
+from upipe.model.offload import Offloader
+
+B, S, N_LAYERS = 2, 64, 4
+
+
+def _model(offload: bool, n_layers: int = N_LAYERS) -> CausalLM:
+    model = CausalLM(dataclasses.replace(get_config("tiny"), n_layers=n_layers))
+    model.init_weights(0)
+    model.checkpoint_blocks = True
+    model.offload = Offloader(n_layers) if offload else None
+    return model
+
+
+def _batch(seq_len: int = S):
+    ids = torch.randint(0, 257, (B, seq_len), generator=torch.Generator().manual_seed(1))
+    return ids, torch.arange(seq_len).expand(B, -1)
+
+
+def test_offload_trains_bit_identically_with_one_exact_arena():
+    """Three AdamW steps: same losses and gradients, bit for bit, as checkpointing without
+    offload; one arena of exactly n_blocks x B x L x D elements, reused every step, and after
+    each backward no slot held and nothing brought back ahead."""
+    runs = []
+    for offload in (False, True):
+        model = _model(offload)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids, pos = _batch()
+        losses, grads, arenas = [], [], []
+        for _ in range(3):
+            loss = model(ids, pos, ids)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if offload:
+                off = model.offload
+                arenas.append((off.arena.data_ptr(), off.arena.nbytes))
+                assert off._pending is None and off._owner == [None] * N_LAYERS
+        runs.append((losses, grads))
+    (ref_losses, ref_grads), (losses, grads) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    for g, ref in zip(grads, ref_grads, strict=True):
+        assert all(torch.equal(g[n], ref[n]) for n in ref)
+    D = get_config("tiny").dim
+    assert set(arenas) == {(arenas[0][0], N_LAYERS * B * S * D * 4)}
+
+
+class _Logged(Offloader):
+    def __init__(self, n_blocks, log):
+        super().__init__(n_blocks)
+        self.log = log
+
+    def _fetch(self, index, device):
+        self.log.append(("fetch", index))
+        super()._fetch(index, device)
+
+
+def test_backward_prefetches_the_previous_block_input_while_a_block_computes():
+    """Block i's backward: its input is there (fetched on demand only for the last block),
+    it recomputes its forward, then block i-1's input is fetched, then its backward runs."""
+    log = []
+    model = _model(True)
+    model.offload = _Logged(N_LAYERS, log)
+    for i, block in enumerate(model.model.layers):
+        block.register_forward_pre_hook(
+            lambda m, a, i=i: log.append(("recompute", i)) if torch.is_grad_enabled() else None
+        )
+        block.register_full_backward_pre_hook(lambda m, g, i=i: log.append(("backward", i)))
+    ids, pos = _batch()
+    model(ids, pos, ids).backward()
+    expected = [("fetch", N_LAYERS - 1)]
+    for i in reversed(range(N_LAYERS)):
+        expected += [("recompute", i)] + ([("fetch", i - 1)] if i else []) + [("backward", i)]
+    assert log == expected
+
+
+def test_arena_follows_the_block_input_shape_exactly():
+    """Kept while the block input's shape stays; on a new sequence length the old arena is
+    freed and one of the new exact size made."""
+    model = _model(True)
+    arenas = []
+    for seq_len in (S, 2 * S, 2 * S):
+        ids, pos = _batch(seq_len)
+        model(ids, pos, ids).backward()
+        assert model.offload.arena.nbytes == N_LAYERS * B * seq_len * model.config.dim * 4
+        arenas.append(weakref.ref(model.offload.arena))
+    assert arenas[0]() is None and arenas[1]() is arenas[2]() is model.offload.arena
+
+
+def test_offload_errors():
+    with pytest.raises(ValueError, match="n_blocks must be >= 1"):
+        Offloader(0)
+    x = torch.randn(B, 8, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="block index 2 out of range for 2 blocks"):
+        checkpoint(torch.sin, x, offload=Offloader(2), index=2)
+    for offload, index in (("cpu", 0), (Offloader(2), None)):
+        with pytest.raises(ValueError, match="offload must be an upipe Offloader, with the"):
+            checkpoint(torch.sin, x, offload=offload, index=index)
+    off = Offloader(1)
+    first = checkpoint(torch.sin, x, offload=off, index=0)
+    second = checkpoint(torch.cos, x * 2, offload=off, index=0)  # overwrites slot 0
+    second.sum().backward()
+    with pytest.raises(RuntimeError, match="overwritten by a later forward"):
+        first.sum().backward()
+
+
+def test_prefetch_costs_one_block_input_of_device_memory():
+    """Measured peak of a step (the arena made by an earlier step): bringing each input back
+    ahead holds one [B, L, D] more than fetching it when its block needs it."""
+
+    def peak(prefetch: bool) -> int:
+        model = _model(True)
+        model.loss_chunk_tokens = 32  # the blocks' backward, not the logits, sets the peak
+        if not prefetch:
+            model.offload.prefetch = lambda index, device: None
+        ids, pos = _batch(256)
+        model(ids, pos, ids).backward()  # allocates the arena
+        with MemoryTracker() as mem:
+            model(ids, pos, ids).backward()
+        return mem.peak_bytes
+
+    assert peak(True) - peak(False) == B * 256 * get_config("tiny").dim * 4
+
+
+def test_planner_counts_the_arena():
+    """The simulated step's host bytes are the offloader's arena: exactly n_layers x B x L x D
+    in the training dtype (nothing rounded)."""
+    from upipe.memory.step import StepSimulator
+    from upipe.train import TrainConfig
+
+    cfg = TrainConfig(
+        model="tiny", strategy="ulysses", nproc=2, dtype="bfloat16", checkpoint=True,
+        offload=True, plot=None,
+    )  # fmt: skip
+    with StepSimulator(cfg, 2) as sim:
+        m = sim.step(2048)
+        arena = sim.trainers[2].model.offload.arena
+    assert m.host_peak_bytes == arena.nbytes == 2 * 1 * 1024 * 128 * 2  # bf16
+
+
+class _FakeStream:
+    """Stands in for the CUDA side stream and the compute stream: logs what they are asked;
+    events are numbered in the order they are recorded."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.device = name, log, torch.device("cpu")
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for", other.name))
+
+    def record_event(self):
+        event = sum(entry[1] == "records" for entry in self.log)
+        self.log.append((self.name, "records", event))
+        return event
+
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for event", event))
+
+    def synchronize(self):
+        self.log.append(("host", "synchronizes with", self.name))
+
+
+def test_cuda_calls_in_order(monkeypatch):
+    """The stream, event and registration calls the offloader makes on CUDA, with CPU
+    tensors and logging stand-ins (the copies themselves are real): every copy on the side
+    stream after the compute stream's work, the compute stream waits for an input's copy
+    before its block recomputes, the arena is registered at its exact size and unregistered
+    after the side stream is done, before a new arena is made and when the offloader goes."""
+    log = []
+    compute = _FakeStream("compute", log)
+    cudart = type("cudart", (), {})()
+    cudart.cudaHostRegister = lambda ptr, n, flags: log.append(("register", ptr, n, flags))
+    cudart.cudaHostUnregister = lambda ptr: log.append(("unregister", ptr))
+    side_copy = contextlib.contextmanager(lambda s: (log.append((s.name, "copies")), (yield)))
+    for name, fake in [
+        ("current_stream", lambda device: compute),
+        ("stream", side_copy),
+        ("cudart", lambda: cudart),
+        ("check_error", lambda res: None),
+        ("device", lambda device: contextlib.nullcontext()),
+    ]:
+        monkeypatch.setattr(torch.cuda, name, fake)
+    model = _model(True, n_layers=2)
+    off = model.offload
+    off._stream = _FakeStream("side", log)  # as a CUDA input would create it
+    try:
+        for i, block in enumerate(model.model.layers):
+            block.register_forward_pre_hook(
+                lambda m, a, i=i: log.append(("recompute", i)) if torch.is_grad_enabled() else None
+            )
+        arenas = []
+        for seq_len in (S, 2 * S):
+            ids, pos = _batch(seq_len)
+            model(ids, pos, ids).backward()
+            arenas.append((off.arena.data_ptr(), off.arena.nbytes))
+    except BaseException:
+        off._unpin.detach()  # not to be called with the real cudart at exit
+        raise
+    del model, off  # the offloader goes: its arena is unregistered
+    n = 2 * B * S * get_config("tiny").dim * 4  # 2 blocks
+    assert [nbytes for _, nbytes in arenas] == [n, 2 * n]
+    copy = [("side", "waits for", "compute"), ("side", "copies")]
+
+    def step(arena, e):  # events e, e + 1: forward, blocks 0 and 1 to the host; then backward
+        return [
+            ("register", *arena, 0),
+            *copy, ("side", "records", e), *copy, ("side", "records", e + 1),
+            *copy, ("side", "records", e + 2),  # block 1's input, fetched on demand
+            ("compute", "waits for event", e + 2), ("recompute", 1),
+            *copy, ("side", "records", e + 3),  # block 0's, prefetched during block 1's backward
+            ("compute", "waits for event", e + 3), ("recompute", 0),
+        ]  # fmt: skip
+
+    def unregister(arena):
+        return [("host", "synchronizes with", "side"), ("unregister", arena[0])]
+
+    first, second = arenas
+    assert log == step(first, 0) + unregister(first) + step(second, 4) + unregister(second)
