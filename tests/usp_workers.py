@@ -21,7 +21,7 @@ def mesh_of(dims):
     return _MESHES[dims]
 
 
-def run_mesh_functional(rank, world_size, dims, strategy, shape, kwargs):
+def run_mesh_functional(rank, world_size, dims, strategy, shape, kwargs, dtype=torch.float32):
     """Forward+backward of usp_attention or upipe_attention(mesh=) on this rank's part.
 
     Each dp replica gets its own data (seed = dp rank). Returns (dp rank, this rank's token
@@ -30,7 +30,7 @@ def run_mesh_functional(rank, world_size, dims, strategy, shape, kwargs):
     mesh = mesh_of(dims)
     dp = mesh.get_local_rank("dp")
     layout = kwargs.get("layout", "zigzag")
-    q, k, v, dout = make_qkv(**shape, seed=dp)
+    q, k, v, dout = make_qkv(**shape, seed=dp, dtype=dtype)
     leaves = [shard_sequence(t, mesh=mesh, layout=layout).requires_grad_() for t in (q, k, v)]
     out = getattr(upipe, f"{strategy}_attention")(*leaves, mesh=mesh, **kwargs)
     out.backward(shard_sequence(dout, mesh=mesh, layout=layout))

@@ -156,7 +156,11 @@ def run_module(rank, world_size, cfg, kwargs, dtype=torch.float32):
 
     Returns the y and dx shards and this rank's weight-gradient contributions (fp64).
     """
-    group = dist.group.WORLD
+    return run_module_on(dist.group.WORLD, cfg, kwargs, dtype)
+
+
+def run_module_on(group, cfg, kwargs, dtype=torch.float32):
+    """`run_module` over `group`."""
     x, dy, pos = make_module_inputs(**cfg, dtype=dtype)
     layer = upipe.ContextParallelAttention(
         *(cfg.get(a) for a in MODULE_ARGS), group=group, dtype=dtype, **kwargs
@@ -238,12 +242,14 @@ def run_module_layout(rank, world_size, cfg, kwargs, layout):
     return {"y": gather(y.detach().double()), "dx": gather(xs.grad.double()), **grads}
 
 
-def reference_and_one_device(shape, dtype, *, causal=True):
-    """(float64 truth, the same attention on one device in `dtype`) for the bf16 bounds."""
+def reference_and_one_device(shape, dtype, *, causal=True, backend=None):
+    """(float64 truth, the same attention on one device in `dtype`, with `backend`'s kernel)
+    for the bf16 bounds."""
     from upipe.kernels import attention_backward, attention_forward
 
     q, k, v, dout = make_qkv(**shape)
     ref = reference(q, k, v, dout, causal=causal)
     qb, kb, vb, db = (t.to(dtype) for t in (q, k, v, dout))
-    out, lse = attention_forward(qb, kb, vb, causal=causal)
-    return ref, (out, *attention_backward(db, qb, kb, vb, out, lse, causal=causal))
+    kw = dict(causal=causal, backend=backend)
+    out, lse = attention_forward(qb, kb, vb, **kw)
+    return ref, (out, *attention_backward(db, qb, kb, vb, out, lse, **kw))

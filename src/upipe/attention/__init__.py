@@ -1,4 +1,11 @@
-"""Context-parallel attention strategies, one file each, all with the same signature."""
+"""Context-parallel attention strategies, one file each, all with the same signature.
+
+Under `torch.compile` each strategy op is one clean graph break (`torch.compiler.disable`):
+the rest of the model compiles, and the op runs as written. Its buffers are freed and its
+exchanges ordered by hand for memory (stage by stage, collectives on their own streams),
+which a traced graph would not keep; the validation exchange (`common`) runs outside any
+graph too, and is skipped once the inputs' signature was agreed.
+"""
 
 from upipe.attention.module import ContextParallelAttention
 from upipe.attention.ring import ring_attention

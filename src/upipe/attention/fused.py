@@ -396,6 +396,7 @@ def _preps(cos, sin, q_norm, k_norm, plan):
     )
 
 
+@torch.compiler.disable  # a clean graph break: see upipe.attention
 def fused_upipe_attention(
     x,
     wq,

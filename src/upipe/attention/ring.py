@@ -163,6 +163,7 @@ class _RingAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+@torch.compiler.disable  # a clean graph break: see upipe.attention
 def ring_attention(
     q, k, v, *, group, causal=True, softmax_scale=None, backend=None, layout="zigzag"
 ):

@@ -64,6 +64,7 @@ class UlyssesFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
+@torch.compiler.disable  # a clean graph break: see upipe.attention
 def ulysses_attention(
     q, k, v, *, group, causal=True, softmax_scale=None, backend=None, layout="contiguous"
 ):

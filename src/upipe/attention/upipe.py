@@ -143,6 +143,7 @@ class _UPipeAttention(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+@torch.compiler.disable  # a clean graph break: see upipe.attention
 def upipe_attention(
     q,
     k,

@@ -22,6 +22,8 @@ backward frees each as soon as it is used. The autograd function is Ulysses' own
 
 from __future__ import annotations
 
+import torch
+
 from upipe.attention.common import check_ring_layout, resolve_groups, validate_qkv
 from upipe.attention.stage import StageAttention
 from upipe.attention.ulysses import UlyssesFunction
@@ -29,6 +31,7 @@ from upipe.comm import HeadExchange
 from upipe.mesh import check_mesh
 
 
+@torch.compiler.disable  # a clean graph break: see upipe.attention
 def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=None, layout="zigzag"):
     """Attention over a sequence sharded across a 2-D mesh: Ulysses x ring.
 

@@ -1,0 +1,130 @@
+"""Per-rank functions that run upipe's `backend="cuda"` path on CPU, with the CUDA-only aten
+ops replaced by their emulation (cuda_emulation.py), and that count what a layer call
+issues: collectives, all-to-all bytes and host-device synchronisations."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import cuda_emulation
+import torch
+import torch.distributed as dist
+from ring_workers import run_ring
+from torch.utils._python_dispatch import TorchDispatchMode
+from usp_workers import run_mesh_functional
+from workers import MODULE_ARGS, make_module_inputs, make_weights, run_functional, run_module
+
+import upipe
+
+CUDA = {"backend": "cuda"}
+
+
+def functional(rank, world_size, strategy, shape, kwargs, dtype):
+    cuda_emulation.install()
+    return run_functional(rank, world_size, strategy, shape, {**kwargs, **CUDA}, dtype)
+
+
+def ring(rank, world_size, shape, kwargs, dtype):
+    cuda_emulation.install()
+    return run_ring(rank, world_size, shape, {**kwargs, **CUDA}, dtype)
+
+
+def mesh(rank, world_size, dims, strategy, shape, kwargs, dtype):
+    cuda_emulation.install()
+    return run_mesh_functional(rank, world_size, dims, strategy, shape, {**kwargs, **CUDA}, dtype)
+
+
+def module(rank, world_size, cfg, kwargs, dtype):
+    cuda_emulation.install()
+    return run_module(rank, world_size, cfg, {**kwargs, **CUDA}, dtype)
+
+
+# --- counting ------------------------------------------------------------------------------
+
+COLLECTIVES = (
+    "all_to_all_single",
+    "all_gather_object",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "batch_isend_irecv",
+)
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Counts the operators that synchronise the host with a CUDA device: a tensor built from
+    Python data (`torch.tensor(list)` -> lift_fresh; on CUDA a blocking copy from pageable
+    memory) and reading a value back (`.item()`, `.tolist()`, `bool(t)` ->
+    _local_scalar_dense)."""
+
+    SYNCS = (torch.ops.aten.lift_fresh.default, torch.ops.aten._local_scalar_dense.default)
+
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCS:
+            self.counts[f"host sync: {func.__name__}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting():
+    """Counts collectives (by name; `async` for all_to_all_single with async_op=True),
+    all-to-all bytes sent by this rank, and host syncs, inside the block."""
+    counts = collections.Counter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            if name == "all_to_all_single":
+                send = args[1] if len(args) > 1 else kwargs["input"]
+                counts["all_to_all bytes"] += send.numel() * send.element_size()
+                counts["async"] += bool(kwargs.get("async_op", False))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(t):
+        counts["host sync: tolist"] += 1
+        return tolist(t)
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with _HostSyncs(counts):
+            yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        torch.Tensor.tolist = tolist
+
+
+def count_layer(rank, world_size, cfg, kwargs, calls=2):
+    """Counts of each of `calls` forward+backward calls of one ContextParallelAttention layer
+    (the first agrees on the inputs across ranks; later ones are the steady state)."""
+    cuda_emulation.install()
+    group = dist.group.WORLD
+    dtype = kwargs.pop("dtype", torch.bfloat16)
+    x, dy, pos = make_module_inputs(**cfg, dtype=dtype)
+    layer = upipe.ContextParallelAttention(
+        *(cfg.get(a) for a in MODULE_ARGS), group=group, dtype=dtype, **kwargs
+    )
+    with torch.no_grad():
+        for n, t in make_weights(cfg, dtype=dtype).items():
+            getattr(layer, n).weight.copy_(t)
+    xs = upipe.shard_sequence(x, group=group).requires_grad_()
+    ps, dys = upipe.shard_sequence(pos, group=group), upipe.shard_sequence(dy, group=group)
+    out = []
+    for _ in range(calls):
+        with counting() as counts:
+            layer(xs, ps).backward(dys)
+        out.append(dict(counts))
+    return out
