@@ -16,6 +16,7 @@ from usp_workers import run_mesh_functional
 from workers import MODULE_ARGS, make_module_inputs, make_weights, run_functional, run_module
 
 import upipe
+from upipe.attention.common import forget_agreements
 
 CUDA = {"backend": "cuda"}
 
@@ -111,6 +112,7 @@ def count_layer(rank, world_size, cfg, kwargs, calls=2):
     """Counts of each of `calls` forward+backward calls of one ContextParallelAttention layer
     (the first agrees on the inputs across ranks; later ones are the steady state)."""
     cuda_emulation.install()
+    forget_agreements()  # the first call exchanges the verdict, whatever ran before
     group = dist.group.WORLD
     dtype = kwargs.pop("dtype", torch.bfloat16)
     x, dy, pos = make_module_inputs(**cfg, dtype=dtype)
@@ -128,3 +130,61 @@ def count_layer(rank, world_size, cfg, kwargs, calls=2):
             layer(xs, ps).backward(dys)
         out.append(dict(counts))
     return out
+
+
+def overlap_pair(rank, world_size, cfg, kwargs, dtype):
+    """The fused module's forward+backward with overlap off and on, each as (y, dx and the
+    weight gradients; peak bytes of the layer call alone; counts)."""
+    from upipe.memory import MemoryTracker
+
+    group = dist.group.WORLD
+    x, dy, pos = make_module_inputs(**cfg, dtype=dtype)
+    xs, ps, dys = (upipe.shard_sequence(t, group=group) for t in (x, pos, dy))
+    out = []
+    for overlap in (False, True):
+        layer = upipe.ContextParallelAttention(
+            *(cfg.get(a) for a in MODULE_ARGS), group=group, dtype=dtype, overlap=overlap, **kwargs
+        )
+        with torch.no_grad():
+            for n, t in make_weights(cfg, dtype=dtype).items():
+                getattr(layer, n).weight.copy_(t)
+        layer(xs, ps)  # agree on the inputs first: the counted call is the steady state
+        xl = xs.clone().requires_grad_()
+        with MemoryTracker() as mem, counting() as counts:
+            y = layer(xl, ps)
+            y.backward(dys)
+        grads = {n: getattr(layer, n).weight.grad for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        out.append(({"y": y.detach(), "dx": xl.grad, **grads}, mem.peak_bytes, dict(counts)))
+    return out
+
+
+def compiled_model(rank, world_size, strategy, backend):
+    """A small model (linear, attention layer, linear) eager and under torch.compile: the
+    outputs and input gradients of both, and why dynamo broke its graph."""
+    torch.manual_seed(0)
+    group = dist.group.WORLD
+    attn = upipe.ContextParallelAttention(32, 4, 2, group=group, strategy=strategy)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 32), _WithPositions(attn), torch.nn.Linear(32, 32)
+    )
+    x = torch.randn(1, 16, 32, requires_grad=True)
+    results = []
+    for fn in (model, torch.compile(model, backend=backend)):
+        x.grad = None
+        y = fn(x)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad.clone()))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    return results, [str(b.reason).split("\n")[0] for b in explained.break_reasons]
+
+
+class _WithPositions(torch.nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x):
+        rank = dist.get_rank(self.attn.group)
+        pos = torch.arange(x.shape[1])[None] + rank * x.shape[1]
+        return self.attn(x, pos)

@@ -29,9 +29,10 @@ Heads are picked by slicing (`schedule.select_q` / `select_kv`): no index tensor
 host-device synchronisation per stage. With `overlap` the next stage's exchanges (forward:
 its q; backward: its q, out and dout) are started asynchronously before the current stage's
 attention runs (`_staged`), so they travel while the kernel computes; the results are the
-same bit for bit, and the extra memory is the next stage's buffers in flight: a send and a
-receive buffer per exchange, 2 x [B, L, U*d] forward and 6 x [B, L, U*d] backward, i.e.
-2U/H and 6U/H of one [B, L, H*d] tensor.
+same bit for bit, and the extra memory is the next stage's buffers: in backward a send and a
+receive buffer for each of its three exchanges, its q and dout before they are packed, and
+its W_o columns -- at most (8 + w) U/H of one [B, L, H*d] tensor (w = D / (B*L)), measured
+in tests/test_steady_state.py; `default_overlap` says when it is on.
 """
 
 from __future__ import annotations
@@ -363,6 +364,29 @@ def _add_norm_grad(acc32, g):
     return None if g is None else accumulate(acc32, g)
 
 
+OVERLAP_MAX_TOKENS = 65536
+
+
+def default_overlap(x, group) -> bool:
+    """Overlap by default on CUDA when the gathered sequence S = C * L has at most
+    `OVERLAP_MAX_TOKENS` tokens.
+
+    What overlap can hide is a stage's exchange behind its attention. Per stage (u = U/C
+    query heads per rank, E bytes per element, all-to-all bandwidth W per GPU, attention
+    throughput F): the q exchange moves about E * L * U * d bytes, the causal attention
+    forward costs 2 * S^2 * u * d FLOPs, so
+        exchange / attention = (E * L * U * d / W) / (2 * S^2 * u * d / F) = E * F / (2 * W * S)
+    -- for bf16 at F = 500 TFLOP/s and W = 150 GB/s (NVLink all-to-all), 3333 / S: 5% at
+    64K tokens, 0.3% at 1M. Its price is 8 stage buffers (8 U/H of one [B, L, H*d] tensor,
+    measured in tests/test_steady_state.py), which at U = C is a large part of what UPipe
+    saves. So long sequences, where memory is the point, run without; short ones, where the
+    exchanges are a visible share of the time and memory is plentiful, run with.
+    """
+    if x.device.type != "cuda":
+        return False  # gloo: the exchange and the kernel compete for the same cores
+    return torch.distributed.get_world_size(group) * x.shape[1] <= OVERLAP_MAX_TOKENS
+
+
 class _FusedUPipe(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin, plan):
@@ -436,7 +460,8 @@ def fused_upipe_attention(
     for a sequence sharded in `layout`; with `ring_group` (a 2-D mesh: x in the mesh layout
     of `upipe.comm`, contiguous within the ulysses group, `ring_layout` across the ring) each
     stage's attention is ring attention over it. `overlap`: start each next stage's
-    exchanges during the current stage's attention (see the module doc; None: on CUDA).
+    exchanges during the current stage's attention (see the module doc; None:
+    `default_overlap`).
     Inputs are not validated here: `ContextParallelAttention` does that.
     """
     kernel = resolve_backend(backend, x.device, x.dtype)
@@ -447,7 +472,7 @@ def fused_upipe_attention(
         attn=StageAttention(causal, softmax_scale, backend, ring_group, ring_layout),
         rope_interleaved=rope_interleaved,
         norm_eps=norm_eps,
-        overlap=x.device.type == "cuda" if overlap is None else bool(overlap),
+        overlap=default_overlap(x, group) if overlap is None else bool(overlap),
         tensor_cores=uses_cuda_kernels(kernel),
     )
     return _FusedUPipe.apply(

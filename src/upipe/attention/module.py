@@ -53,10 +53,10 @@ class ContextParallelAttention(nn.Module):
     their positions), and C is the ulysses size.
     Exactly one of group/mesh. All ranks call it together (it communicates).
     `overlap` (strategy "upipe"): start each next stage's all-to-alls while the current
-    stage's attention runs (same results bit for bit; costs the next stage's buffers, 2U/H
-    forward and 6U/H backward of one [B, L, H*d] tensor; `upipe.attention.fused`). None:
-    on for CUDA inputs, where NCCL runs the exchange on its own stream beside the kernel;
-    off on CPU, where gloo's exchange competes with the kernel for the same cores.
+    stage's attention runs (same results bit for bit; costs up to 8 stage buffers, 8U/H of
+    one [B, L, H*d] tensor; `upipe.attention.fused`). None: on for CUDA inputs of at most
+    64K gathered tokens, where the exchanges are a visible share of the time, off for
+    longer ones (under 5% to gain, memory matters) and on CPU (`fused.default_overlap`).
     """
 
     def __init__(
