@@ -12,6 +12,7 @@ import collections
 
 import cuda_emulation
 import cuda_workers
+import fake_flash_attn
 import pytest
 import torch
 from conftest import TOL, bf16_bound, rel_err
@@ -31,10 +32,11 @@ def emulated():
     cuda_emulation.install()
 
 
-def _bounds(shape, dtype):
+def _bounds(shape, dtype, backend="cuda"):
     """Allowed relative error per tensor: fp32's tolerance, or in bf16 a multiple of what one
-    device running the emulated CUDA kernel on the whole sequence gets wrong."""
-    ref, one = reference_and_one_device(shape, dtype, backend="cuda")
+    device running `backend`'s kernel (the emulated CUDA one) on the whole sequence gets
+    wrong."""
+    ref, one = reference_and_one_device(shape, dtype, backend=backend)
     if dtype == torch.float32:
         tol = TOL[torch.float32]
         return ref, [tol["fwd"]] + [tol["bwd"]] * 3
@@ -198,3 +200,19 @@ def test_fused_op_uses_out_dtype_gemms():
     ref = module_reference(cfg)
     for name in ("y", "dx", "q_proj", "k_proj", "v_proj", "o_proj"):
         assert rel_err(res[name], ref[name]) < TOL[torch.bfloat16]["bwd"], name
+
+
+@pytest.mark.parametrize("d", [8, 6])
+@pytest.mark.parametrize("G", [4, 1])
+def test_flash_attn_package_path(monkeypatch, d, G):
+    """backend="flash_attn" against a stand-in with the package's 2.7 contract: the backward's
+    keyword arguments, head dims padded to a multiple of 8 for the backward, GQA native."""
+    fake_flash_attn.install(monkeypatch)
+    monkeypatch.setattr(kernels, "flash_attn_version", lambda: (2, 7))
+    shape = dict(B=2, S=32, H=4, G=G, d=d)
+    ref, bounds = _bounds(shape, torch.bfloat16, backend="cpu")  # the stand-in's numbers
+    q, k, v, dout = (t.bfloat16() for t in make_qkv(**shape))
+    out, lse = kernels.attention_forward(q, k, v, backend="flash_attn")
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, backend="flash_attn")
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    _check((out, *grads), ref, bounds)
