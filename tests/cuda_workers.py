@@ -188,3 +188,26 @@ class _WithPositions(torch.nn.Module):
         rank = dist.get_rank(self.attn.group)
         pos = torch.arange(x.shape[1])[None] + rank * x.shape[1]
         return self.attn(x, pos)
+
+
+def agreement_device(rank, world_size):
+    """The validation exchange runs under `torch.cuda.device(<the inputs' GPU>)` (recorded
+    by a stand-in, no GPU here), so NCCL's all_gather_object stages its bytes on the right
+    GPU even if the job never called torch.cuda.set_device."""
+    from unittest import mock
+
+    from upipe.attention import common
+
+    entered = []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append(d)
+        yield
+
+    forget_agreements()
+    gpu = torch.device("cuda", rank)
+    with mock.patch.object(torch.cuda, "device", device):
+        common.agree_across_ranks(dist.group.WORLD, lambda: None, lambda: {"n": 1}, None, gpu)
+        common.agree_across_ranks(dist.group.WORLD, lambda: None, lambda: {"n": 1}, None, gpu)
+    return entered

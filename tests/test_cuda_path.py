@@ -89,10 +89,11 @@ def test_ring_cuda_path(clusters, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("strategy", ["usp", "upipe"])
-def test_mesh_cuda_path(clusters, strategy, dtype):
-    """2 ring x 2 ulysses: USP, and UPipe stages run as ring attention."""
-    shape = dict(B=1, S=128, H=8, G=4, d=16)
+@pytest.mark.parametrize("strategy,G", [("usp", 4), ("upipe", 4), ("upipe", 1)])
+def test_mesh_cuda_path(clusters, strategy, G, dtype):
+    """2 ring x 2 ulysses: USP, and UPipe stages run as ring attention (G = 1: the kv head
+    replicated over the ulysses ranks, whose bf16 backward used to fail in index_add_)."""
+    shape = dict(B=1, S=128, H=8, G=G, d=16)
     ref, bounds = _bounds(shape, dtype)
     res = clusters(4).run(cuda_workers.mesh, (1, 2, 2), strategy, shape, {}, dtype)
     _check(_placed([(pos, got) for _, pos, got in res], shape["S"]), ref, bounds)
@@ -216,3 +217,10 @@ def test_flash_attn_package_path(monkeypatch, d, G):
     grads = kernels.attention_backward(dout, q, k, v, out, lse, backend="flash_attn")
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     _check((out, *grads), ref, bounds)
+
+
+def test_agreement_runs_on_the_inputs_gpu(clusters):
+    """The first call's validation exchange enters the inputs' device; the second (agreed
+    signature) exchanges nothing."""
+    for rank, entered in enumerate(clusters(2).run(cuda_workers.agreement_device)):
+        assert entered == [torch.device("cuda", rank)]
