@@ -50,7 +50,7 @@ import upipe
 from upipe.kernels import attention_backward, attention_forward, default_backend
 from upipe.memory.model import LayerShape, ulysses_peak_units, upipe_peak_units
 from upipe.memory.simulate import fake_process_group
-from upipe.memory.step import StepTracker
+from upipe.planner.step import StepTracker
 from upipe.rope import apply_rope, rope_cos_sin
 
 # Relative error bounds, copied from tests/conftest.py (TOL, bf16_bound): fp32 1e-5; a bf16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from upipe.memory.step import StepTracker, _measure
+from upipe.planner.step import StepTracker, _measure
 from upipe.train import Trainer
 
 

@@ -142,7 +142,7 @@ def test_prefetch_costs_one_block_input_of_device_memory():
 def test_planner_counts_the_arena():
     """The simulated step's host bytes are the offloader's arena: exactly n_layers x B x L x D
     in the training dtype (nothing rounded)."""
-    from upipe.memory.step import StepSimulator
+    from upipe.planner.step import StepSimulator
     from upipe.train import TrainConfig
 
     cfg = TrainConfig(

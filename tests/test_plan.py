@@ -9,8 +9,8 @@ import torch
 from plan_workers import real_peak
 from train_workers import small_config
 
-from upipe.memory.plan import EXTRAPOLATION_DEPTHS, PlanConfig, max_fitting, plan, table
-from upipe.memory.step import StepSimulator
+from upipe.planner.plan import EXTRAPOLATION_DEPTHS, PlanConfig, max_fitting, plan, table
+from upipe.planner.step import StepSimulator
 
 
 @pytest.mark.parametrize(
@@ -168,8 +168,8 @@ def test_plan_host_memory_budget_and_batch():
 
 
 def test_feature_sets():
-    from upipe.memory.plan import candidates
     from upipe.model import get_config
+    from upipe.planner.plan import candidates
 
     feats = ("off", "on", "mlp+checkpoint", "offload")
     pc = PlanConfig(model="tiny", gpus=2, strategies=("ulysses",), features=feats)
@@ -191,7 +191,7 @@ def test_cuda_rms_norm_footprint():
     CUDA's fused kernel keeps: the output and one fp32 rstd per row; the CPU composite
     keeps fp32 copies of x."""
     from upipe.memory import MemoryTracker
-    from upipe.memory.step import _kernels
+    from upipe.planner.step import _kernels
 
     x = torch.randn(64, 8, 16, dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(16, dtype=torch.bfloat16, requires_grad=True)
@@ -211,8 +211,8 @@ def test_cuda_rms_norm_footprint():
 def test_candidates_on_an_odd_gpu_count():
     """6 GPUs: ring and USP are validated at a length they can split (lcm(64K, 12)), and
     the problems name the model planned, not the training default."""
-    from upipe.memory.plan import candidates
     from upipe.model import get_config
+    from upipe.planner.plan import candidates
 
     pc = PlanConfig(model="llama3-8b", gpus=6, features=("on",), heads_per_stage=(1,))
     rows = {label: (kw, problem) for label, kw, problem in candidates(pc, get_config("llama3-8b"))}

@@ -13,7 +13,7 @@ import importlib
 import sys
 
 # modules defining `add_command(subparsers)`, in the order `upipe --help` lists them
-COMMANDS = ("upipe.train", "upipe.demo", "upipe.bench", "upipe.memory.plan")
+COMMANDS = ("upipe.train", "upipe.demo", "upipe.bench", "upipe.planner.plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ through them.
   only on its block and on whether it receives a next one (every step but the last does).
 
 So in a run of tiles, the third and later repeat the memory of the second or stay below
-it. Under `sampled()` -- used by `upipe.memory.step`, where nothing is computed -- the tile
+it. Under `sampled()` -- used by `upipe.planner.step`, where nothing is computed -- the tile
 loops run their first two tiles only, and a ring runs its diagonal block and then, twice
 each, every off-diagonal block that *any* rank of the ring computes: the simulated rank's
 peak is then the worst rank's (ranks differ only in those blocks), and a simulated step

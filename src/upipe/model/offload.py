@@ -15,7 +15,7 @@ dtype changes; the old one is freed first):
     host bytes = n_blocks * B * L * D * element_size
 
 (Llama3-8B, 8 GPUs, 7.08M tokens: 32 * 884,736 * 4096 * 2 bytes = 216 GiB per GPU), which
-is what `upipe plan` counts (`upipe.memory.step`: the arena on the meta device). Why not
+is what `upipe plan` counts (`upipe.planner.step`: the arena on the meta device). Why not
 `torch.empty(..., pin_memory=True)` per block, as before: it goes through torch's caching
 host allocator (`CachingHostAllocatorImpl::allocate` in `aten/src/ATen/core/
 CachingHostAllocator.h`), which rounds every request up to a power of two

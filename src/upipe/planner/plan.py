@@ -1,7 +1,7 @@
 """`upipe plan`: the longest sequence each strategy can train on given GPUs, by simulation.
 
 For every strategy (and with / without the memory features) the planner simulates rank 0's
-training step (`upipe.memory.step.StepSimulator`: the code of `upipe train` under fake
+training step (`upipe.planner.step.StepSimulator`: the code of `upipe train` under fake
 tensors) and searches the longest sequence, a multiple of the granularity, whose device peak
 plus the reserve fits the GPU memory. Peak memory grows with the sequence length, so the
 search brackets the boundary (secant guesses on the measured peaks, then bisection) and
@@ -20,7 +20,9 @@ import math
 import time
 from collections.abc import Callable
 
-from upipe.model import PRESETS
+from upipe.model import PRESETS, get_config
+from upipe.planner.step import StepSimulator
+from upipe.train.loop import TrainConfig, validate
 
 GiB = 2**30
 # the first and last blocks differ from the others (FSDP prefetch, the loss after the last
@@ -150,8 +152,6 @@ def _step(pc: PlanConfig) -> int:
 
 def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     """(label, TrainConfig fields, problem or None) of each strategy x features asked for."""
-    from upipe.train.loop import TrainConfig, validate
-
     rows = []
     for strategy in pc.strategies:
         stages = pc.heads_per_stage if strategy == "upipe" else (None,)
@@ -190,8 +190,6 @@ def plan(pc: PlanConfig, progress=None) -> dict:
     """Search every candidate of `pc` (`pc.jobs` at a time, each in a process of its own);
     returns the JSON-ready results. `progress(label, S, peak_bytes)` is called after each
     simulated step (one job) or each finished candidate (several jobs)."""
-    from upipe.model import get_config
-
     model = get_config(pc.model)
     if pc.model_config:
         with open(pc.model_config) as f:
@@ -232,9 +230,6 @@ def plan(pc: PlanConfig, progress=None) -> dict:
 
 def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress=None) -> dict:
     """The longest fitting sequence of one candidate, with the peaks measured on the way."""
-    from upipe.memory.step import StepSimulator
-    from upipe.train.loop import TrainConfig
-
     cfg = TrainConfig(**kw, plot=None)
     step = _step(pc)
     depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None

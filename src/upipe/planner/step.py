@@ -50,12 +50,16 @@ import weakref
 from unittest import mock
 
 import torch
+from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from upipe import loops
 from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
+from upipe.mesh import make_mesh
+from upipe.model import CausalLM, get_config
 from upipe.model.offload import Offloader
+from upipe.train.loop import DTYPES, Trainer, validate
 
 HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -97,8 +101,6 @@ def _no_init():
     and its host buffers (one full fp32 matrix at a time) are gone before the step. (It would
     also need the FSDP mesh's coordinate, which torch caches from the first of several
     process groups created in one process, as the tests do when simulating several ranks.)"""
-    from upipe.model.llama import CausalLM
-
     return mock.patch.object(CausalLM, "init_weights", lambda self, seed: None)
 
 
@@ -255,9 +257,6 @@ class StepSimulator:
         every rank's off-diagonal blocks twice): the worst rank's peak, at a cost
         independent of the sequence length and the ring size. False runs this rank's loops
         in full."""
-        from upipe.model import get_config
-        from upipe.train.loop import DTYPES, validate
-
         if kernels not in ("cuda", "cpu"):
             raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
         self.cfg, self.world, self.kernels = cfg, world, kernels
@@ -275,10 +274,6 @@ class StepSimulator:
         self.trainers = {}
 
     def __enter__(self):
-        from torch._subclasses import FakeTensorMode
-
-        from upipe.mesh import make_mesh
-
         cfg, stack = self.cfg, self._stack
         try:
             stack.enter_context(fake_process_group(self.world, rank=self.rank))
@@ -298,8 +293,6 @@ class StepSimulator:
 
     def _build(self, mesh, n_layers: int):
         """A Trainer of `n_layers` blocks with its own tracker, after one warm-up step."""
-        from upipe.train.loop import Trainer
-
         cfg = dataclasses.replace(self.cfg, data=__file__)  # never read: synthetic batches
         model_config = dataclasses.replace(self.model_config, n_layers=n_layers)
         default = torch.get_default_dtype()
@@ -321,8 +314,6 @@ class StepSimulator:
         return trainer
 
     def _shortest(self) -> int:
-        from upipe.train.loop import validate
-
         for seq_len in range(2 * self.world, 10**6, 2 * self.world):
             cfg = dataclasses.replace(self.cfg, seq_len=seq_len)
             if validate(cfg, self.world, self.model_config) is None:
@@ -335,8 +326,6 @@ class StepSimulator:
 
     def step(self, seq_len: int, *, explain: bool = False) -> StepMemory:
         """Memory of one training step at `seq_len` tokens per sequence."""
-        from upipe.train.loop import validate
-
         problem = validate(
             dataclasses.replace(self.cfg, seq_len=seq_len), self.world, self.model_config
         )
