@@ -155,35 +155,6 @@ def validate(cfg: DemoConfig) -> str | None:
     return None
 
 
-def add_command(sub) -> None:
-    """`upipe demo` (see `upipe.cli`)."""
-    from upipe.options import add_dataclass_options
-
-    parser = sub.add_parser(
-        "demo",
-        help="run context-parallel attention on spawned CPU ranks and check it",
-        description=(
-            "Spawn N gloo ranks on this machine, run each strategy's forward+backward on a "
-            "long random sequence, and compare with float64 attention on one process. Prints "
-            "errors, time and per-rank peak memory."
-        ),
-    )
-    add_dataclass_options(parser, DemoConfig)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.set_defaults(handler=_handle)
-
-
-def _handle(ns, parser) -> int:
-    from upipe.options import config_from_args
-
-    cfg = config_from_args(DemoConfig, ns)
-    problem = validate(cfg)
-    if problem:
-        parser.error(problem)
-    run_demo(cfg, json_path=ns.json)
-    return 0
-
-
 def run_demo(cfg: DemoConfig, *, json_path: str | None = None) -> list[dict]:
     """Spawn `cfg.nproc` ranks, run the demo, print a table (and write JSON if asked)."""
     from upipe.launch import LocalCluster

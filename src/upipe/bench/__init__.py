@@ -24,7 +24,7 @@ import os
 from upipe.bench.peers import DEFAULT_METHODS, PEERS, make_method
 from upipe.bench.run import TOLERANCE
 
-__all__ = ["BenchConfig", "PEERS", "add_command", "run_bench"]
+__all__ = ["BenchConfig", "PEERS", "run_bench"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -196,32 +196,3 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         report.plot(rows, cfg.plot, title=header[: header.index("; peak")])
         say(f"wrote {os.path.abspath(cfg.plot)}")
     return doc
-
-
-def add_command(sub) -> None:
-    """`upipe bench` (see `upipe.cli`)."""
-    from upipe.options import add_dataclass_options
-
-    parser = sub.add_parser(
-        "bench",
-        help="benchmark upipe against DeepSpeed-Ulysses, yunchang, torch context_parallel",
-        description=__doc__.split("\n\n")[0] + " See `upipe.bench` for what is measured.",
-    )
-    add_dataclass_options(parser, BenchConfig)
-    parser.set_defaults(handler=_handle)
-
-
-def _handle(ns, parser) -> int:
-    from upipe.options import config_from_args
-
-    cfg = config_from_args(BenchConfig, ns)
-    nproc = cfg.nproc if cfg.device == "cpu" else int(os.environ.get("WORLD_SIZE", "1"))
-    problem = validate(cfg, nproc)
-    if problem:
-        parser.error(problem)
-    if cfg.device == "cuda" and "RANK" not in os.environ:
-        parser.error(
-            "--device cuda runs under torchrun: torchrun --nproc-per-node N -m upipe bench"
-        )
-    run_bench(cfg)
-    return 0

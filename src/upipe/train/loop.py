@@ -392,7 +392,3 @@ def summary(history: list[dict]) -> str:
         f"{history[-1]['loss']:.4f} (ln 257 = {math.log(257):.3f}); median "
         f"{tps[len(tps) // 2]:.0f} tokens/s; peak memory per rank {peak / 2**20:.1f} MiB"
     )
-
-
-def _spawned_rank(rank: int, world_size: int, cfg: TrainConfig):
-    return train(cfg)

@@ -1,19 +1,20 @@
-"""Command line: `upipe COMMAND` (demo, train, bench, plan).
+"""Command line: `upipe COMMAND` (train, demo, bench, plan); every command lives here.
 
-Each command lives in its own module, which defines `add_command(subparsers)`: it builds the
-command's parser (options derived from a config dataclass, see `upipe.options`) and sets
-`handler(ns, parser) -> int` as its default. A bad option ends in `parser.error(...)`: a
-one-line message and exit status 2, never a traceback.
+The library packages (`upipe.train`, `upipe.demo`, `upipe.bench`, `upipe.planner`) hold no
+parser, read no environment variable and launch nothing: each command module here defines
+`add_command(subparsers)`, which builds the command's parser (options derived from the
+library's config dataclass, see `upipe.cli.options`) and sets `handler(ns, parser) -> int`
+as its default; the handler validates, launches and calls the library. A bad option ends in
+`parser.error(...)`: a one-line message and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 
-# modules defining `add_command(subparsers)`, in the order `upipe --help` lists them
-COMMANDS = ("upipe.train", "upipe.demo", "upipe.bench", "upipe.planner.plan")
+from upipe.cli import bench, demo, plan, train
+
+COMMANDS = (train, demo, bench, plan)  # in the order `upipe --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Memory-efficient context parallelism (UPipe: headwise-chunked Ulysses).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(name).add_command(sub)
+    for command in COMMANDS:
+        command.add_command(sub)
     return parser
 
 
@@ -40,7 +41,3 @@ def sub_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     """The parser of `command`, so its errors print its own usage line."""
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[command]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
