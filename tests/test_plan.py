@@ -93,9 +93,9 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
     ],
 )  # fmt: skip
 def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
-    """The simulator's other shortcut (`upipe.loops`): tile loops run two tiles, a ring its
-    diagonal block and every rank's off-diagonal blocks twice. Rank 0's sampled step has
-    the peak -- and each phase's peak -- of the worst rank running every iteration."""
+    """The simulator's other shortcut (`upipe.planner.sampled`): tile loops run two tiles,
+    a ring its diagonal block and every rank's off-diagonal blocks twice. Rank 0's sampled
+    step has the peak -- and each phase's peak -- of the worst rank running every iteration."""
     cfg = small_config(strategy=strategy, nproc=world, **kw)
     seq_lens = (1024, 2816)  # 2 .. 11 tiles per rank
 

@@ -8,8 +8,8 @@ optimizer -- and measures that rank's memory the way `Trainer.step` does on CPU:
 bytes (parameters, optimizer states) plus the step's peak of live storages. Nothing is
 allocated and nothing is computed; a step costs about 0.1 ms per operator, and the loops
 whose iterations repeat the same memory (sequence tiles, ring steps) are cut short
-(`upipe.loops`), so a step costs the same at any length and ring size and gives the worst
-rank's peak.
+(`upipe.planner.sampled`), so a step costs the same at any length and ring size and gives
+the worst rank's peak.
 
 What the simulation replaces, and why it does not change the memory:
 - The device is a fake *CPU* (fake CUDA tensors crash the backward on a CPU-only build).
@@ -53,12 +53,12 @@ import torch
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from upipe import loops
 from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
 from upipe.mesh import make_mesh
 from upipe.model import CausalLM, get_config
 from upipe.model.offload import Offloader
+from upipe.planner.sampled import sampled_loops
 from upipe.train.loop import DTYPES, Trainer, validate
 
 HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
@@ -252,11 +252,11 @@ class StepSimulator:
         """`model`: a `ModelConfig` to build instead of the preset `cfg.model`. `kernels`:
         "cuda" gives kernels whose CPU version allocates differently their CUDA footprint
         (RMSNorm); "cpu" runs the CPU build's kernels as `upipe train` does on CPU.
-        `sample_loops`: take `upipe.loops`' shortcut through the loops whose iterations
-        repeat the same memory (two tiles per tile loop; the ring's diagonal block, then
-        every rank's off-diagonal blocks twice): the worst rank's peak, at a cost
-        independent of the sequence length and the ring size. False runs this rank's loops
-        in full."""
+        `sample_loops`: take the shortcut of `upipe.planner.sampled` through the loops whose
+        iterations repeat the same memory (two tiles per tile loop; the ring's diagonal
+        block, then every rank's off-diagonal blocks twice): the worst rank's peak, at a
+        cost independent of the sequence length and the ring size. False runs this rank's
+        loops in full."""
         if kernels not in ("cuda", "cpu"):
             raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
         self.cfg, self.world, self.kernels = cfg, world, kernels
@@ -332,7 +332,7 @@ class StepSimulator:
         if problem:
             raise ValueError(problem)
         with (
-            loops.sampled() if self.sample_loops else contextlib.nullcontext(),
+            sampled_loops() if self.sample_loops else contextlib.nullcontext(),
             _kernels(self.kernels),
         ):
             runs = [_measure(self.trainers[n], seq_len, explain) for n in self.depths]
