@@ -151,8 +151,12 @@ def test_planner_counts_the_arena():
     )  # fmt: skip
     with StepSimulator(cfg, 2) as sim:
         m = sim.step(2048)
-        arena = sim.trainers[2].model.offload.arena
-    assert m.host_peak_bytes == arena.nbytes == 2 * 1 * 1024 * 128 * 2  # bf16
+        arena_bytes = sim.trainers[2].model.offload.arena.nbytes
+        assert m.host_peak_bytes == arena_bytes == 2 * 1 * 1024 * 128 * 2  # bf16
+        # a shorter step after a longer one: its own arena only (the planner's search
+        # simulates lengths in any order; the longer step's arena once counted here)
+        sim.step(8192)
+        assert sim.step(2048).host_peak_bytes == m.host_peak_bytes
 
 
 class _FakeStream:

@@ -368,6 +368,10 @@ def _measure(trainer, seq_len: int, explain: bool = False) -> StepMemory:
     """One step of `trainer` at `seq_len`: the peak of every live storage it allocated
     (parameters, optimizer states, any buffer kept between steps, and the step's own)."""
     trainer.cfg = dataclasses.replace(trainer.cfg, seq_len=seq_len)
+    if trainer.model.offload is not None:
+        # a fresh arena: the previous length's must not count as host memory held before
+        # the step (a real run frees the old arena before allocating the new one)
+        trainer.model.offload = Offloader(trainer.model.offload.n_blocks, host=HOST_DEVICE)
     mem = trainer.tracker
     persistent = mem.current_bytes
     mem.peak_bytes, mem.phase_peak_bytes, mem.host_peak_bytes = persistent, {}, mem.host_bytes
