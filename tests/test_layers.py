@@ -18,7 +18,8 @@ LAYERS = {
     # memory, the spawned-ranks launcher, memory measurement (tracker, closed forms, fake
     # process group)
     "base": (
-        "upipe.kernels", "upipe.comm", "upipe.mesh", "upipe.rope", "upipe.gemm",
+        "upipe.torch_private", "upipe.kernels", "upipe.comm", "upipe.mesh", "upipe.rope",
+        "upipe.gemm",
         "upipe.loops", "upipe.launch", "upipe.memory",
     ),
     # the strategies, and the public API that re-exports them

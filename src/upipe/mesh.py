@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from upipe.torch_private import flatten_mesh
+
 MESH_DIMS = ("dp", "ring", "ulysses")
 
 
@@ -82,7 +84,7 @@ def validation_group(mesh):
     if mesh.size() == dist.get_world_size():
         group = dist.group.WORLD
     else:  # a sub-mesh: one group over its ranks (created once and cached by the mesh)
-        group = mesh._flatten().get_group()
+        group = flatten_mesh(mesh).get_group()
     names, coord = mesh.mesh_dim_names, mesh.get_coordinate()
     block = tuple(
         slice(None) if n in ("ring", "ulysses") else c for n, c in zip(names, coord, strict=True)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from upipe.comm import LAYOUTS
 from upipe.kernels import BACKENDS
 from upipe.mesh import check_mesh, validation_group
+from upipe.torch_private import saved_tensor_hooks_active
 
 
 def _divisors(n: int) -> list[int]:
@@ -273,7 +274,7 @@ def validate_qkv(
 
 
 def _saved_tensor_hooks_active() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    return saved_tensor_hooks_active()
 
 
 def save_for_backward(ctx, keep, free) -> None:

@@ -31,6 +31,7 @@ from upipe.attention.module import ContextParallelAttention
 from upipe.comm import shard_sequence
 from upipe.loss import IGNORE_INDEX, count_valid, global_token_mean, shift_labels
 from upipe.mesh import mesh_coordinates
+from upipe.torch_private import flatten_mesh
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -125,7 +126,9 @@ def _sequence_group(group, mesh):
         return group
     block = mesh["ring", "ulysses"]
     return (
-        dist.group.WORLD if block.size() == dist.get_world_size() else block._flatten().get_group()
+        dist.group.WORLD
+        if block.size() == dist.get_world_size()
+        else flatten_mesh(block).get_group()
     )
 
 

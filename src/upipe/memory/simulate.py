@@ -17,13 +17,11 @@ import torch.distributed as dist
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0):
     """Initialise the default process group as the fake backend for the `with` block."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
     if dist.is_initialized():
         raise RuntimeError(
             "a default process group already exists; simulate in a process of its own"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", rank=rank, world_size=world_size)  # built into torch 2.13
     try:
         yield dist.group.WORLD
     finally:

@@ -50,7 +50,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from upipe.torch_private import TorchDispatchMode, is_traceable_wrapper_subclass
 
 _ACTIVE: list[MemoryTracker] = []  # trackers inside their `with` block (innermost last)
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_

@@ -50,8 +50,6 @@ import weakref
 from unittest import mock
 
 import torch
-from torch._subclasses import FakeTensorMode
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
@@ -59,6 +57,13 @@ from upipe.mesh import make_mesh
 from upipe.model import CausalLM, get_config
 from upipe.model.offload import Offloader
 from upipe.planner.sampled import sampled_loops
+from upipe.torch_private import (
+    FakeTensor,
+    FakeTensorMode,
+    current_graph_task_id,
+    flatten_mesh,
+    unset_fake_temporarily,
+)
 from upipe.train.loop import DTYPES, Trainer, validate
 
 HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
@@ -168,7 +173,7 @@ class StepTracker(MemoryTracker):
         """The device peak, per phase, and with `explain` what is live at the overall peak
         (`transient`: a workspace counted in `current_bytes` but not among the storages)."""
         phase = self.phase
-        if phase == "forward" and torch._C._current_graph_task_id() != -1:
+        if phase == "forward" and current_graph_task_id() != -1:
             phase = self.phase = "backward"  # and after it: gradient all-reduce
         if self.current_bytes > self.phase_peak_bytes.get(phase, -1):
             self.phase_peak_bytes[phase] = self.current_bytes
@@ -280,8 +285,8 @@ class StepSimulator:
             dp, ring, uly = cfg.degrees(self.world)
             mesh = make_mesh(ulysses=uly, ring=ring, dp=dp)  # real tensors: outside fake mode
             if cfg.fsdp and mesh.ndim > 1:
-                mesh._flatten(
-                    "fsdp"
+                flatten_mesh(
+                    mesh, "fsdp"
                 )  # (apply_fsdp's flattened mesh, made here for the same reason)
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             for n in self.depths:

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from upipe.attention.module import ContextParallelAttention
+from upipe.attention.registry import get_strategy
 from upipe.comm import sequence_positions
 from upipe.model.llama import Attention, CausalLM
 from upipe.model.offload import Offloader
-
-STRATEGIES = ("none", "ulysses", "upipe", "ring", "usp")
+from upipe.torch_private import flatten_mesh
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -52,18 +52,16 @@ class ContextParallel:
 
 def context_parallel(strategy: str, mesh) -> ContextParallel:
     """The `ContextParallel` of `strategy` on a `upipe.make_mesh` mesh (dims dp, ring, ulysses)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    spec = get_strategy(strategy)
     R, U = mesh["ring"].size(), mesh["ulysses"].size()
-    if strategy == "none":
+    if not spec.context_parallel:
         return ContextParallel(strategy=strategy, size=1)
     if R > 1 and U > 1:
         return ContextParallel(strategy=strategy, size=R * U, mesh=mesh, layout="zigzag")
-    if strategy == "ring":
-        return ContextParallel(
-            strategy=strategy, size=R, group=mesh["ring"].get_group(), layout="zigzag"
-        )
-    return ContextParallel(strategy=strategy, size=U, group=mesh["ulysses"].get_group())
+    dim = spec.group_dim
+    return ContextParallel(
+        strategy=strategy, size=mesh[dim].size(), group=mesh[dim].get_group(), layout=spec.layout
+    )
 
 
 def parallelize(
@@ -71,9 +69,9 @@ def parallelize(
 ) -> CausalLM:
     """Replace every block's `Attention` by a `ContextParallelAttention` of `cp.strategy`
     holding the *same* parameter objects (nothing is copied). Returns `model`."""
-    if cp.strategy == "none":
+    spec = get_strategy(cp.strategy)
+    if spec.module is None:
         return model
-    strategy = {"usp": "ulysses"}.get(cp.strategy, cp.strategy)
     for block in model.model.layers:
         old: Attention = block.self_attn
         new = ContextParallelAttention(
@@ -84,8 +82,8 @@ def parallelize(
             group=cp.group,
             mesh=cp.mesh,
             layout=cp.layout,
-            strategy=strategy,
-            heads_per_stage=heads_per_stage if strategy == "upipe" else None,
+            strategy=spec.module,
+            heads_per_stage=heads_per_stage if spec.heads_per_stage else None,
             rope_theta=old.rope_theta,
             qk_norm=old.q_norm is not None,
             norm_eps=old.norm_eps,
@@ -131,7 +129,7 @@ def apply_fsdp(model: CausalLM, mesh) -> CausalLM:
     factor 1): each rank's loss is already its share of the global token mean."""
     from torch.distributed.fsdp import fully_shard
 
-    flat = mesh._flatten("fsdp") if mesh.ndim > 1 else mesh
+    flat = flatten_mesh(mesh, "fsdp") if mesh.ndim > 1 else mesh
     for unit in [*model.model.layers, model]:
         fully_shard(unit, mesh=flat)
     for unit in [*model.model.layers, model]:  # the settings are per unit
