@@ -1,11 +1,11 @@
 """Which heads each UPipe stage processes: GQA-aware scheduling.
 
 Legend: H query heads, G kv heads, C group size, U heads per stage (`heads_per_stage`),
-u = U / C query heads per rank per stage.
+u = U / C query heads per rank per stage, m = C / G copies of a replicated kv head.
 
-When G < C, kv heads are replicated R = C / G times so that every rank holds one: "virtual"
-kv head j is real kv head j // R, and the function is unchanged because query head h uses
-real kv head h // (H / G) = (virtual kv head h // (H / C)) // R. With G' = max(G, C) virtual
+When G < C, kv heads are replicated m = C / G times so that every rank holds one: "virtual"
+kv head j is real kv head j // m, and the function is unchanged because query head h uses
+real kv head h // (H / G) = (virtual kv head h // (H / C)) // m. With G' = max(G, C) virtual
 kv heads, each shared by g' = H / G' query heads:
 
 - a **round** exchanges C * k kv heads, k = max(1, u / g') per rank; rank r gets virtual kv
@@ -21,7 +21,7 @@ U = H gives one round of one stage: plain Ulysses.
 No index tensors: query head h = vk * g' + i sits at (vk, i) of the [G', g'] head grid, and
 a stage takes the rectangle rows `first .. first + width - 1` (the round's virtual kv
 heads), columns `s * u' .. s * u' + u' - 1` -- a strided view (`select_q`). A round's
-virtual kv heads are consecutive real heads, each repeated R times (`select_kv`). Slicing
+virtual kv heads are consecutive real heads, each repeated m times (`select_kv`). Slicing
 needs no device tensor built from a Python list, so the stage loops issue no host-device
 synchronisation (a `torch.tensor(list, device="cuda")` would copy from pageable memory and
 wait for the stream), and under fake tensors and `torch.compile` they are plain views.
@@ -46,7 +46,7 @@ class Round:
     width: int
     """Virtual kv heads in the round: C * k."""
     replicas: int
-    """R: copies of each real kv head (C / G when G < C, else 1)."""
+    """m: copies of each real kv head (C / G when G < C, else 1)."""
     per_kv: int
     """g': query heads per virtual kv head (columns of the head grid)."""
     stage_width: int
@@ -74,7 +74,7 @@ def _real_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
 
 def select_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
     """The round's C * k virtual kv heads of t (G real heads at `dim`), in the order of
-    `rnd.kv_heads`: a view, or with replicas (G < C) a copy repeating each real head R
+    `rnd.kv_heads`: a view, or with replicas (G < C) a copy repeating each real head m
     times."""
     real = _real_kv(t, dim, rnd)
     if rnd.replicas == 1:
@@ -85,7 +85,7 @@ def select_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
 
 
 def add_kv_(acc: torch.Tensor, dim: int, rnd: Round, g: torch.Tensor) -> None:
-    """In place: acc's kv heads of the round (G at `dim`) += g (C * k at `dim`), the R
+    """In place: acc's kv heads of the round (G at `dim`) += g (C * k at `dim`), the m
     replicas of a head summed in acc's dtype (fp32 accumulators take bf16 parts)."""
     parts = g.unflatten(dim, (-1, rnd.replicas)).sum(dim + 1, dtype=acc.dtype)
     _real_kv(acc, dim, rnd).add_(parts)
@@ -141,7 +141,7 @@ def check_heads_per_stage(H: int, G: int, C: int, U) -> int:
 def plan_rounds(H: int, G: int, C: int, U: int) -> tuple[Round, ...]:
     """The stage schedule for validated (H, G, C, U); see the module docstring. Cached:
     every layer call with the same head counts gets the same (immutable) schedule."""
-    R = max(1, C // G)  # replication of each kv head
+    m = max(1, C // G)  # copies of each kv head
     Gv = max(G, C)
     gv, u = H // Gv, U // C
     k, up = max(1, u // gv), min(u, gv)  # kv heads per rank per round, q heads per kv head
@@ -153,11 +153,11 @@ def plan_rounds(H: int, G: int, C: int, U: int) -> tuple[Round, ...]:
         )
         rounds.append(
             Round(
-                kv_heads=tuple(vk // R for vk in virtual),
+                kv_heads=tuple(vk // m for vk in virtual),
                 stages=stages,
                 first=start,
                 width=C * k,
-                replicas=R,
+                replicas=m,
                 per_kv=gv,
                 stage_width=up,
             )
