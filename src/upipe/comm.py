@@ -10,8 +10,8 @@ contiguous token block r (tokens r*L .. (r+1)*L-1):
                   rank r keeps heads r*h .. (r+1)*h-1, for all S tokens
     head_to_seq:  x_BShd  [B, S, H/C, d] -> x_BLHd [B, L, H, d]     (the inverse)
 
-Each is the other's backward (an all-to-all is a permutation of blocks), which is what
-`SeqToHead` / `HeadToSeq` implement for autograd. gloo and NCCL split `all_to_all_single`
+Each is the other's backward (an all-to-all is a permutation of blocks): the strategies'
+backwards call the inverse exchange on the gradients. gloo and NCCL split `all_to_all_single`
 along dim 0 only, so the destination rank is moved to dim 0 in the send buffer.
 
 Sequence layouts (`shard_sequence` / `unshard_sequence` / `sequence_positions`), for S
@@ -171,40 +171,19 @@ class HeadExchange:
         return head_to_seq(x_BShd, self.group, self.layout, async_op=async_op)
 
 
-class SeqToHead(torch.autograd.Function):
-    """Differentiable `seq_to_head`; its backward is `head_to_seq` of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x_BLHd, group):
-        ctx.group = group
-        return seq_to_head(x_BLHd, group)
-
-    @staticmethod
-    def backward(ctx, grad_BShd):
-        return head_to_seq(grad_BShd, ctx.group), None
-
-
-class HeadToSeq(torch.autograd.Function):
-    """Differentiable `head_to_seq`; its backward is `seq_to_head` of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x_BShd, group):
-        ctx.group = group
-        return head_to_seq(x_BShd, group)
-
-    @staticmethod
-    def backward(ctx, grad_BLHd):
-        return seq_to_head(grad_BLHd, ctx.group), None
-
-
 LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout_name(layout) -> None:
+    """ValueError unless `layout` is one of LAYOUTS (the one place this error is raised)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
 
 
 def _chunks(n: int, C: int, layout: str, dim: int | None) -> int:
     """Number of chunks the layout cuts a length-n sequence into; ValueError if it can't."""
     where = "" if dim is None else f" (dim {dim})"
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    check_layout_name(layout)
     if layout == "contiguous":
         if n % C:
             raise ValueError(
@@ -221,18 +200,17 @@ def _chunks(n: int, C: int, layout: str, dim: int | None) -> int:
     return 2 * C
 
 
-def _check_mesh_length(n: int, R: int, U: int, layout: str, dim: int | None) -> None:
-    """ValueError unless a length-n sequence splits over R ring x U ulysses ranks."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
-    m = R * (U if layout == "contiguous" else math.lcm(2, U))  # ring chunks, then U parts
+def _check_mesh_length(n: int, R: int, C: int, layout: str, dim: int | None) -> None:
+    """ValueError unless a length-n sequence splits over R ring x C ulysses ranks."""
+    check_layout_name(layout)
+    m = R * (C if layout == "contiguous" else math.lcm(2, C))  # ring chunks, then C parts
     if n % m:
         where = "" if dim is None else f" (dim {dim})"
         how = "2R chunks" if layout == "zigzag" else "R parts"
         raise ValueError(
-            f"sequence length {n}{where} does not split over ring {R} x ulysses {U} in "
+            f"sequence length {n}{where} does not split over ring {R} x ulysses {C} in "
             f"layout={layout!r} (the ring dim cuts it into {how}, each ring part is split "
-            f"over {U} ulysses ranks); pad it to a multiple of {m} (e.g. {n + (-n) % m})"
+            f"over {C} ulysses ranks); pad it to a multiple of {m} (e.g. {n + (-n) % m})"
         )
 
 
@@ -243,11 +221,11 @@ def _layout_and_groups(group, mesh, layout):
     if group is not None:
         layout = layout or "contiguous"
         return layout, [(_size(group), dist.get_rank(group), group, layout)]
-    R, U = check_mesh(mesh)
+    R, C = check_mesh(mesh)
     i, j = mesh_coordinates(mesh)
     layout = layout or "zigzag"
     ring, ulysses = mesh["ring"].get_group(), mesh["ulysses"].get_group()
-    return layout, [(R, i, ring, layout), (U, j, ulysses, "contiguous")]
+    return layout, [(R, i, ring, layout), (C, j, ulysses, "contiguous")]
 
 
 def _shard(t, C, r, dim, layout):
@@ -298,8 +276,7 @@ def unshard_sequence(
     outputs and checks).
     """
     layout, levels = _layout_and_groups(group, mesh, layout)
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    check_layout_name(layout)
     n = t.shape[dim] * (levels[1][0] if mesh is not None else 1)  # a ring rank's length
     if layout == "zigzag" and n % 2:
         what = f"{t.shape[dim]}" if mesh is None else f"{t.shape[dim]} x ulysses {levels[1][0]}"
@@ -344,12 +321,12 @@ def sequence_positions(
     if mesh is not None:
         if rank is not None or world_size is not None:
             raise ValueError("pass either rank= and world_size= (1-D) or mesh= (2-D), not both")
-        R, U = check_mesh(mesh)
+        R, C = check_mesh(mesh)
         i, j = mesh_coordinates(mesh)
         layout = layout or "zigzag"
-        _check_mesh_length(seq_len, R, U, layout, dim=None)
+        _check_mesh_length(seq_len, R, C, layout, dim=None)
         part = _positions(seq_len, R, i, layout, device)
-        return part.narrow(0, j * (part.numel() // U), part.numel() // U)
+        return part.narrow(0, j * (part.numel() // C), part.numel() // C)
     if rank is None or world_size is None:
         raise ValueError("pass rank= and world_size= (1-D) or mesh= (2-D)")
     if not 0 <= rank < world_size:

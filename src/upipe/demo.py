@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from upipe.attention import STRATEGIES
+from upipe.attention.registry import check_heads, get_strategy, group_strategies
 from upipe.comm import shard_sequence, unshard_sequence
 from upipe.kernels import attention_backward, attention_forward
 from upipe.memory import MemoryTracker
@@ -58,21 +58,17 @@ def _rel_err(x, ref):
     return ((x.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def _layout(name):
-    return "zigzag" if name == "ring" else "contiguous"
-
-
 def _rank_main(rank, world_size, cfg: DemoConfig):
     group = dist.group.WORLD
     full = _inputs(cfg)
     shards = {
-        name: [shard_sequence(t, group=group, layout=_layout(name)) for t in full]
+        name: [shard_sequence(t, group=group, layout=get_strategy(name).layout) for t in full]
         for name in cfg.strategies
     }
     for name in cfg.strategies:  # warm-up: connections, allocator, caches
         warm = [t[:, : min(64, t.shape[1])].clone().requires_grad_() for t in shards[name][:3]]
         with MemoryTracker():  # its first use costs seconds
-            STRATEGIES[name](*warm, group=group, causal=cfg.causal).sum().backward()
+            get_strategy(name).op(*warm, group=group, causal=cfg.causal).sum().backward()
     runs = []
     for name in cfg.strategies:
         q, k, v, dout = shards[name]
@@ -80,11 +76,11 @@ def _rank_main(rank, world_size, cfg: DemoConfig):
         dist.barrier()
         t0 = time.perf_counter()
         with MemoryTracker() as mem:
-            out = STRATEGIES[name](*leaves, group=group, causal=cfg.causal)
+            out = get_strategy(name).op(*leaves, group=group, causal=cfg.causal)
             out.backward(dout)
         seconds = time.perf_counter() - t0
         results = [
-            unshard_sequence(t, group=group, layout=_layout(name))
+            unshard_sequence(t, group=group, layout=get_strategy(name).layout)
             for t in (out.detach(), *(x.grad for x in leaves))
         ]
         peaks = [None] * world_size
@@ -142,16 +138,15 @@ def validate(cfg: DemoConfig) -> str | None:
             f"--seq-len {cfg.seq_len} must be divisible by --nproc {cfg.nproc}; "
             f"try {cfg.seq_len + (-cfg.seq_len) % cfg.nproc}"
         )
-    if cfg.heads % cfg.nproc or cfg.kv_heads % cfg.nproc:
-        return (
-            f"--heads ({cfg.heads}) and --kv-heads ({cfg.kv_heads}) must be divisible by "
-            f"--nproc ({cfg.nproc})"
-        )
     if cfg.heads % cfg.kv_heads:
         return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
-    unknown = [s for s in cfg.strategies if s not in STRATEGIES]
+    unknown = [s for s in cfg.strategies if s not in group_strategies()]
     if unknown:
-        return f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}"
+        return f"unknown strategies {unknown}; choose from {sorted(group_strategies())}"
+    for name in cfg.strategies:
+        problem = check_heads(name, cfg.heads, cfg.kv_heads, cfg.nproc, size="--nproc")
+        if problem:
+            return f"--heads {cfg.heads}, --kv-heads {cfg.kv_heads}: {problem}"
     return None
 
 

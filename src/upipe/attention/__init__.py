@@ -1,4 +1,11 @@
-"""Context-parallel attention strategies, one file each, all with the same signature.
+"""Context-parallel attention strategies, one file each, listed in `registry`.
+
+The functional ops share one signature, `op(q, k, v, *, group | mesh, causal,
+softmax_scale, backend, layout)`: `usp_attention` takes a 2-D `mesh`, `ring_attention` and
+`ulysses_attention` a 1-D `group`, `upipe_attention` either (and `heads_per_stage`).
+`registry.STRATEGIES` says what each one needs (group or mesh, default layout, kv-head
+rule); `ContextParallelAttention` (module.py) is the layer that projects, applies RoPE and
+calls one of them.
 
 Under `torch.compile` each strategy op is one clean graph break (`torch.compiler.disable`):
 the rest of the model compiles, and the op runs as written. Its buffers are freed and its
@@ -8,19 +15,17 @@ graph too, and is skipped once the inputs' signature was agreed.
 """
 
 from upipe.attention.module import ContextParallelAttention
+from upipe.attention.registry import STRATEGIES, Strategy, get_strategy
 from upipe.attention.ring import ring_attention
 from upipe.attention.ulysses import ulysses_attention
 from upipe.attention.upipe import upipe_attention
 from upipe.attention.usp import usp_attention
 
-STRATEGIES = {"ulysses": ulysses_attention, "upipe": upipe_attention, "ring": ring_attention}
-"""Functional strategies by name; each is `fn(q, k, v, *, group, causal, softmax_scale)`
-(ring also takes `layout=`, default "zigzag"). `usp_attention` takes a 2-D `mesh` instead
-of a group, so it is not listed; `upipe_attention` also accepts `mesh=`."""
-
 __all__ = [
     "STRATEGIES",
     "ContextParallelAttention",
+    "Strategy",
+    "get_strategy",
     "ring_attention",
     "ulysses_attention",
     "upipe_attention",

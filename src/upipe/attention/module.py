@@ -31,14 +31,11 @@ from upipe.attention.common import (
     resolve_groups,
 )
 from upipe.attention.fused import fused_upipe_attention
-from upipe.attention.ring import ring_attention
+from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage, plan_rounds
-from upipe.attention.ulysses import ulysses_attention
 from upipe.attention.usp import usp_attention
-from upipe.comm import LAYOUTS
+from upipe.comm import check_layout_name
 from upipe.rope import apply_rope, rope_cos_sin
-
-MODULE_STRATEGIES = ("upipe", "ulysses", "ring")
 
 
 class ContextParallelAttention(nn.Module):
@@ -84,15 +81,13 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         ulysses, self.ring_group, R, self.agree = resolve_groups(group, mesh)
         C = check_group(ulysses)
-        if layout not in (None, *LAYOUTS):
-            raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+        if layout is not None:
+            check_layout_name(layout)
         cp = "context-parallel size" if mesh is None else "ulysses size"
-        if strategy not in MODULE_STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {MODULE_STRATEGIES}")
-        if strategy == "ring" and mesh is not None:
-            raise ValueError(
-                "strategy 'ring' takes group=; on a mesh use strategy='ulysses' (USP) or 'upipe'"
-            )
+        spec = get_strategy(strategy, MODULE_STRATEGIES)
+        if mesh is not None and not spec.mesh:
+            on_mesh = [name for name in MODULE_STRATEGIES if get_strategy(name).mesh]
+            raise ValueError(f"strategy {strategy!r} takes group=; on a mesh use one of {on_mesh}")
         for name, val in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -109,32 +104,21 @@ class ContextParallelAttention(nn.Module):
                 f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}); valid: "
                 f"{_divisors(num_heads)}"
             )
-        if num_heads % C and strategy != "ring":
-            raise ValueError(
-                f"num_heads ({num_heads}) must be divisible by the {cp} ({C}); "
-                f"use a size in {_divisors(num_heads)}"
-            )
-        if strategy == "ulysses" and num_kv_heads % C:
-            raise ValueError(
-                f"strategy 'ulysses' needs num_kv_heads ({num_kv_heads}) divisible by the "
-                f"{cp} ({C}); use strategy='upipe' (replicates kv heads) or a "
-                f"size in {_divisors(num_kv_heads)}"
-            )
-        if strategy == "upipe":
-            if num_kv_heads % C and C % num_kv_heads:
-                raise ValueError(
-                    f"num_kv_heads ({num_kv_heads}) and the {cp} ({C}) must divide one another"
-                )
+        problem = check_heads(strategy, num_heads, num_kv_heads, C, size=cp)
+        if problem:
+            raise ValueError(problem)
+        self.rounds = None  # the stage schedule of a staged strategy (upipe's fused op)
+        if spec.heads_per_stage:
             heads_per_stage = check_heads_per_stage(num_heads, num_kv_heads, C, heads_per_stage)
             self.rounds = plan_rounds(num_heads, num_kv_heads, C, heads_per_stage)
-        elif heads_per_stage is not None:
-            raise ValueError("heads_per_stage applies to strategy='upipe' only")
-        elif overlap:
-            raise ValueError("overlap applies to strategy='upipe' only")
+        elif heads_per_stage is not None or overlap:
+            staged = [name for name in MODULE_STRATEGIES if get_strategy(name).heads_per_stage]
+            what = "heads_per_stage" if heads_per_stage is not None else "overlap"
+            raise ValueError(f"{what} applies to strategy={staged[0]!r} only")
         self.overlap = overlap
         # the sequence layout: of the group (1-D), or of the mesh's ring dim (2-D)
         self.group, self.mesh = ulysses, mesh
-        self.layout = layout or ("contiguous" if mesh is None and strategy != "ring" else "zigzag")
+        self.layout = layout or (spec.layout if mesh is None else "zigzag")
         self.strategy, self.heads_per_stage = strategy, heads_per_stage
         self.dim, self.num_heads, self.num_kv_heads, self.head_dim = (
             dim,
@@ -213,7 +197,7 @@ class ContextParallelAttention(nn.Module):
         Projection biases, where the projections have them (Hugging Face Qwen2 and
         `attention_bias=True` models, see `upipe.integrations.hf`), are applied too."""
         d = self.head_dim
-        if self.strategy == "upipe":
+        if self.rounds is not None:  # upipe's fused op: projections inside the stages
             y = fused_upipe_attention(
                 x,
                 self.q_proj.weight,
@@ -248,10 +232,9 @@ class ContextParallelAttention(nn.Module):
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
         kw = dict(causal=self.causal, backend=self.backend)
-        if self.strategy == "ring":
-            out = ring_attention(q, k, v, group=self.group, layout=self.layout, **kw)
-        elif self.mesh is None:
-            out = ulysses_attention(q, k, v, group=self.group, layout=self.layout, **kw)
-        else:
+        if self.mesh is None:
+            op = get_strategy(self.strategy).op
+            out = op(q, k, v, group=self.group, layout=self.layout, **kw)
+        else:  # ulysses on a mesh: USP
             out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
         return self.o_proj(out.flatten(2))

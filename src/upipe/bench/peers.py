@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import upipe
+from upipe.attention.registry import STRATEGIES, get_strategy, heads_problem
 
 # The versions the adapters were tested with (the `bench` extra pins the runnable ones).
 TESTED = {"deepspeed": "0.19.8", "yunchang": "0.6.4"}
@@ -111,28 +112,35 @@ def _heads_problem(H, G, C, what):
 
 
 class UpipeMethod(Method):
-    """upipe's functional strategies: ulysses, upipe (U heads per stage), ring, usp."""
+    """A strategy of upipe's registry by its functional op: ulysses, upipe (U heads per
+    stage), ring, usp (on a ring-of-2 x ulysses-C/2 mesh)."""
 
     def __init__(self, kind: str, U: int | None = None):
-        self.kind, self.U = kind, U
-        self.name = f"upipe(U={U})" if kind == "upipe" else kind
-        self.layout = "zigzag" if kind == "ring" else "contiguous"
+        self.kind, self.U, self.spec = kind, U, get_strategy(kind)
+        self.name = f"{kind}(U={U})" if self.spec.heads_per_stage else kind
+        self.layout = self.spec.layout
 
     def problem(self, *, H, G, C, S, device):
-        if self.kind == "ring":
-            return None if S % (2 * C) == 0 else f"ring (zigzag) needs S divisible by 2C={2 * C}"
-        if self.kind == "usp":
+        if self.spec.needs_ring_and_ulysses:
             if C < 2 or C % 2:
-                return f"usp runs on a ring-of-2 x ulysses-C/2 mesh; needs an even C, got {C}"
-            return _heads_problem(H, G, C // 2, "usp")
-        if self.kind == "upipe" and (self.U % C or H % self.U):
-            return f"upipe heads_per_stage U={self.U} must be a multiple of C={C} dividing H={H}"
+                return (
+                    f"{self.kind} runs on a ring-of-2 x ulysses-C/2 mesh; needs an even C, got {C}"
+                )
+            C //= 2
+        elif self.layout == "zigzag" and S % (2 * C):
+            return f"{self.kind} (zigzag) needs S divisible by 2C={2 * C}"
+        if self.spec.heads_per_stage and (self.U % C or H % self.U):
+            return (
+                f"{self.kind} heads_per_stage U={self.U} must be a multiple of C={C} dividing H={H}"
+            )
+        if heads_problem(self.kind, H, G, C) is None:
+            return None
         return _heads_problem(H, G, C, self.name)
 
     def setup(self, group, device):
         super().setup(group, device)
         self.mesh = None
-        if self.kind == "usp":  # collective: every rank builds it
+        if self.spec.needs_ring_and_ulysses:  # collective: every rank builds it
             C = torch.distributed.get_world_size(group)
             self.mesh = upipe.make_mesh(ring=2, ulysses=C // 2, device_type=device.type)
 
@@ -147,14 +155,10 @@ class UpipeMethod(Method):
         return upipe.unshard_sequence(t_BLnd, group=self.group, layout=self.layout)
 
     def __call__(self, q_BLHd, k_BLGd, v_BLGd, *, causal):
-        if self.kind == "usp":
-            return upipe.usp_attention(q_BLHd, k_BLGd, v_BLGd, mesh=self.mesh, causal=causal)
-        if self.kind == "upipe":
-            return upipe.upipe_attention(
-                q_BLHd, k_BLGd, v_BLGd, group=self.group, heads_per_stage=self.U, causal=causal
-            )
-        fn = upipe.ring_attention if self.kind == "ring" else upipe.ulysses_attention
-        return fn(q_BLHd, k_BLGd, v_BLGd, group=self.group, causal=causal)
+        where = {"group": self.group} if self.mesh is None else {"mesh": self.mesh}
+        if self.spec.heads_per_stage:
+            where["heads_per_stage"] = self.U
+        return self.spec.op(q_BLHd, k_BLGd, v_BLGd, causal=causal, **where)
 
 
 def _sdpa_BSnd(q_BShd, k_BSgd, v_BSgd, causal):
@@ -332,12 +336,15 @@ DEFAULT_METHODS = ("ulysses", "upipe", "upipe:8", "ring", "usp", *PEERS)
 
 
 def make_method(spec: str, C: int) -> Method:
-    """'ulysses', 'upipe' (U = C), 'upipe:8' (U = 8), 'ring', 'usp', or a peer in PEERS."""
+    """A strategy of the registry ('ulysses', 'ring', 'usp'; 'upipe' with U = C heads per
+    stage, 'upipe:8' with U = 8), or a peer in PEERS."""
     kind, _, u = spec.partition(":")
-    if kind == "upipe":
-        return UpipeMethod("upipe", int(u) if u else C)
-    if kind in ("ulysses", "ring", "usp") and not u:
-        return UpipeMethod(kind)
+    entry = STRATEGIES.get(kind)
+    if entry is not None and entry.context_parallel:
+        if entry.heads_per_stage:
+            return UpipeMethod(kind, int(u) if u else C)
+        if not u:
+            return UpipeMethod(kind)
     if spec == "deepspeed-ulysses":
         return DeepSpeedUlysses()
     if spec in ("yunchang-ulysses", "yunchang-usp"):

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 
+from upipe.attention.registry import STRATEGIES, get_strategy
 from upipe.model import PRESETS, get_config
 from upipe.planner.step import StepSimulator
 from upipe.train.loop import TrainConfig, validate
@@ -53,7 +54,7 @@ class PlanConfig:
     """Sequence lengths searched are multiples of this."""
     max_seq_len: int = 16 * 2**20
     """Longest sequence considered."""
-    strategies: tuple[str, ...] = ("none", "ulysses", "ring", "usp", "upipe")
+    strategies: tuple[str, ...] = tuple(STRATEGIES)
     """Strategies to plan (upipe once per --heads-per-stage)."""
     heads_per_stage: tuple[int, ...] = (1, 2)
     """UPipe heads per stage, in multiples of the ulysses size."""
@@ -154,25 +155,25 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     """(label, TrainConfig fields, problem or None) of each strategy x features asked for."""
     rows = []
     for strategy in pc.strategies:
-        stages = pc.heads_per_stage if strategy == "upipe" else (None,)
+        spec = get_strategy(strategy)
+        stages = pc.heads_per_stage if spec.heads_per_stage else (None,)
         for mult in stages:
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
                 kw["batch_size"] = pc.batch_size
                 kw["model"], kw["seq_len"] = pc.model, _step(pc)
-                if strategy == "none":
+                label = strategy
+                if not spec.context_parallel:
                     kw["dp"] = pc.gpus
-                if strategy == "usp":  # Ulysses over as many GPUs as kv heads allow, ring across
+                if spec.needs_ring_and_ulysses:  # ulysses over as many GPUs as kv heads allow
                     uly = math.gcd(pc.gpus, model.n_kv_heads)
                     uly = uly if uly < pc.gpus else max(1, uly // 2)
                     kw["ring"] = pc.gpus // uly
-                label = (
-                    strategy if strategy != "usp" else f"usp {kw['ring']}x{pc.gpus // kw['ring']}"
-                )
+                    label = f"{strategy} {kw['ring']}x{pc.gpus // kw['ring']}"
                 if mult is not None:
                     uly = TrainConfig(**kw).degrees(pc.gpus)[2]
                     kw["heads_per_stage"] = mult * uly
-                    label = f"upipe U={mult * uly}"
+                    label = f"{strategy} U={mult * uly}"
                 on = feature_set(feat)
                 if "mlp" in on:
                     kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile)
@@ -215,7 +216,7 @@ def plan(pc: PlanConfig, progress=None) -> dict:
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # slowest first (features recompute every block; UPipe runs stages): workers end together
-    todo.sort(key=lambda t: (not t[2].get("checkpoint"), t[2]["strategy"] != "upipe"))
+    todo.sort(key=lambda t: (not t[2].get("checkpoint"), "heads_per_stage" not in t[2]))
     with ProcessPoolExecutor(min(pc.jobs, len(todo)), mp_context=mp.get_context("spawn")) as ex:
         futures = {ex.submit(_search, pc, model, budget, label, kw): row for row, label, kw in todo}
         for future in as_completed(futures):

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from upipe.attention.registry import CLI_WORDS, STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage
 from upipe.loss import count_valid, global_token_mean
 from upipe.memory import MemoryTracker
@@ -26,7 +27,6 @@ from upipe.mesh import make_mesh
 from upipe.model import PRESETS, CausalLM, ModelConfig, get_config
 from upipe.train.data import VOCAB_SIZE, PackedTokens
 from upipe.train.parallelize import (
-    STRATEGIES,
     MemoryFeatures,
     allreduce_gradients,
     apply_fsdp,
@@ -42,7 +42,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class TrainConfig:
     model: str = dataclasses.field(default="tiny", metadata={"choices": sorted(PRESETS)})
     """Model preset (the tiny one uses the byte vocabulary; others keep their shapes)."""
-    strategy: str = dataclasses.field(default="upipe", metadata={"choices": STRATEGIES})
+    strategy: str = dataclasses.field(default="upipe", metadata={"choices": tuple(STRATEGIES)})
     """Context-parallel strategy of the attention layers."""
     nproc: int = 4
     """Processes to spawn on this machine (gloo, CPU); ignored under torchrun."""
@@ -100,10 +100,10 @@ class TrainConfig:
 
     def degrees(self, world: int) -> tuple[int, int, int]:
         """(dp, ring, ulysses) for `world` processes."""
-        dp = self.dp or (world if self.strategy == "none" else 1)
+        spec = get_strategy(self.strategy)
+        dp = self.dp or (1 if spec.context_parallel else world)
         cp = max(1, world // dp)
-        default_ring = {"ring": cp, "usp": min(2, cp), "none": 1}.get(self.strategy, 1)
-        ring = self.ring or default_ring
+        ring = self.ring or spec.ring_degree(cp)
         return dp, ring, max(1, cp // ring)
 
     def features(self) -> MemoryFeatures:
@@ -127,35 +127,41 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
     dp, ring, uly = cfg.degrees(world)
     if world % dp:
         return f"--dp {dp} must divide the number of processes ({world})"
-    cp = world // dp
-    if cfg.strategy == "none" and cp != 1:
-        return f"strategy none has no context parallelism: use --dp {world} (or leave it out)"
+    cp, spec = world // dp, get_strategy(cfg.strategy)
+    if not spec.context_parallel and cp != 1:
+        return (
+            f"strategy {cfg.strategy} has no context parallelism: use --dp {world} "
+            "(or leave it out)"
+        )
     if ring * uly != cp:
         return f"--ring {ring} must divide the context-parallel size {cp} (= {world} / dp {dp})"
-    if cfg.strategy == "usp" and not 1 < ring < cp:
-        return f"usp needs 1 < --ring < {cp} (the context-parallel size); use ulysses or ring"
-    if cfg.strategy == "ulysses" and ring > 1:
-        return "ulysses with --ring > 1 is usp: use --strategy usp"
-    if cfg.strategy in ("ulysses", "usp", "upipe") and m.n_heads % uly:
+    if spec.needs_ring_and_ulysses and not 1 < ring < cp:
         return (
-            f"{cfg.model} has {m.n_heads} heads, not divisible by the ulysses size {uly}; "
-            f"use a size dividing {m.n_heads}, or --strategy ring"
+            f"{cfg.strategy} needs 1 < --ring < {cp} (the context-parallel size); "
+            f"use ulysses or ring"
         )
-    if cfg.strategy in ("ulysses", "usp") and m.n_kv_heads % uly:
-        return (
-            f"{cfg.strategy} needs the {m.n_kv_heads} kv heads divisible by the ulysses size "
-            f"{uly}; use --strategy upipe (it replicates kv heads)"
-        )
-    if cfg.strategy == "upipe":
-        if m.n_kv_heads % uly and uly % m.n_kv_heads:
-            return f"kv heads ({m.n_kv_heads}) and the ulysses size ({uly}) must divide one another"
+    if spec.on_mesh_called and ring > 1:
+        name = spec.on_mesh_called
+        return f"{cfg.strategy} with --ring > 1 is {name}: use --strategy {name}"
+    problem = check_heads(
+        cfg.strategy,
+        m.n_heads,
+        m.n_kv_heads,
+        uly,
+        size="ulysses size",
+        words=CLI_WORDS,
+        what=cfg.model,
+    )
+    if problem:
+        return problem
+    if spec.heads_per_stage:
         try:
             check_heads_per_stage(m.n_heads, m.n_kv_heads, uly, cfg.heads_per_stage)
         except ValueError as e:
             return f"--heads-per-stage: {e}"
     elif cfg.heads_per_stage is not None:
         return "--heads-per-stage applies to --strategy upipe only"
-    multiple = cp * (2 if cfg.strategy in ("ring", "usp") or ring > 1 else 1)
+    multiple = cp * (2 if spec.layout == "zigzag" or ring > 1 else 1)
     if cfg.seq_len % multiple:
         return (
             f"--seq-len {cfg.seq_len} must be a multiple of {multiple} for {cfg.strategy} on "
