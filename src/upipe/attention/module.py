@@ -3,8 +3,9 @@
 Legend: B batch, L local tokens, D model width, H query heads, G kv heads, d head dim.
 
 Parameters are `torch.nn.Linear` layers named and shaped as in Hugging Face Llama/Qwen
-(`q_proj` [H*d, D], `k_proj`/`v_proj` [G*d, D], `o_proj` [D, H*d], no bias), so their
-weights load unchanged. Strategies:
+(`q_proj` [H*d, D], `k_proj`/`v_proj` [G*d, D], `o_proj` [D, H*d]), so their weights load
+unchanged. They are built without bias; biases put in later (`upipe.integrations.hf` for
+Qwen2) are applied. Strategies (`registry.STRATEGIES` lists what each needs):
 - "ulysses": q/k/v projections and RoPE in autograd, `ulysses_attention` (on a mesh
   `usp_attention`), then `o_proj`;
 - "upipe": the fused staged op (fused.py): projections, RoPE and o_proj run per stage

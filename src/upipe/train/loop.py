@@ -316,8 +316,8 @@ def _history(cfg: TrainConfig, upto: int) -> list[dict]:
 
 
 def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
-    """Run `cfg` on this rank (default process group initialised); rank 0 returns the
-    per-step metrics (every rank returns them; rank 0 also prints, logs and plots)."""
+    """Run `cfg` on this rank (default process group initialised); returns the per-step
+    metrics on every rank (rank 0 also prints, logs and plots them)."""
     device = device or torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(cfg, device)
