@@ -48,8 +48,14 @@ class Strategy:
     """The `ContextParallelAttention` strategy the trainer and HF swap in (None: no swap)."""
     group_dim: str = "ulysses"
     """The mesh dim a 1-D group of this strategy is (ring-only strategies: "ring")."""
-    ring_degree: Callable[[int], int] = lambda cp: 1
-    """The trainer's default ring size on `cp` context-parallel ranks."""
+    ring_size: int | None = 1
+    """The trainer's default ring size, at most the context-parallel size (None: all of
+    it). Plain data, so that an entry pickles (the benchmark sends it to its ranks)."""
+
+    def default_ring(self, cp: int) -> int:
+        """The trainer's default ring size on `cp` context-parallel ranks."""
+        return cp if self.ring_size is None else min(self.ring_size, cp)
+
     needs_ring_and_ulysses: bool = False
     """Only runs on a mesh with ring > 1 and ulysses > 1 (e.g. USP)."""
     on_mesh_called: str | None = None
@@ -91,7 +97,7 @@ STRATEGIES: dict[str, Strategy] = {
             kv_heads=WHOLE,
             module="ring",
             group_dim="ring",
-            ring_degree=lambda cp: cp,
+            ring_size=None,
         ),
         Strategy(
             name="usp",
@@ -101,7 +107,7 @@ STRATEGIES: dict[str, Strategy] = {
             layout="zigzag",
             kv_heads=SPLIT,
             module="ulysses",
-            ring_degree=lambda cp: min(2, cp),
+            ring_size=2,
             needs_ring_and_ulysses=True,
         ),
         Strategy(

@@ -103,7 +103,7 @@ class TrainConfig:
         spec = get_strategy(self.strategy)
         dp = self.dp or (1 if spec.context_parallel else world)
         cp = max(1, world // dp)
-        ring = self.ring or spec.ring_degree(cp)
+        ring = self.ring or spec.default_ring(cp)
         return dp, ring, max(1, cp // ring)
 
     def features(self) -> MemoryFeatures:
