@@ -88,8 +88,10 @@ def test_overlap_is_exact_and_its_memory_measured(clusters, C, G, U, dtype):
         for name in off:
             assert torch.equal(off[name], on[name]), name
         assert counts["async"] == 4 * N
+        # the bound is the claim; the exact extra depends on when gloo's thread lets go of
+        # finished buffers (it was 0 once in repeated runs of the one-stage-per-round case)
         extra = (peak_on - peak_off) / unit
-        assert 0 < extra <= (8 + w) * U / H, extra
+        assert extra <= (8 + w) * U / H, extra
 
 
 @pytest.mark.parametrize("strategy", ["upipe", "ulysses", "ring"])
