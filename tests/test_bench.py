@@ -8,6 +8,7 @@ import pytest
 
 import upipe.bench.peers as peers
 from upipe.bench import BenchConfig, plan_methods, run_bench
+from upipe.bench.layer import UpipeLayer
 from upipe.bench.peers import UpipeMethod
 from upipe.bench.run import judge
 from upipe.cli import main
@@ -70,6 +71,48 @@ def test_tiny_run(tmp_path):
             assert r["rank_memory"] in range(1, 6) and r["rank_time"] in range(1, 6)
         if r["method"] == "upipe(U=2)":
             assert r["ref_over_this_memory"] == r["ref_over_this_time"] == 1.0
+
+
+class WrongLayer(UpipeLayer):
+    """The Ulysses layer whose o_proj weight gradient is doubled: right output, wrong dWo."""
+
+    def __init__(self):
+        super().__init__("ulysses", shape=(4, 2, 8), seed=0, causal=True)
+        self.name = "wrong-layer"
+
+    def results(self, out, leaves):
+        *rest, dWo = super().results(out, leaves)
+        return [*rest, 2 * dWo]
+
+
+def test_layer_mode(tmp_path):
+    """--layer: upipe's strategies as ContextParallelAttention vs the float64 layer (y, dx
+    and all weight gradients); a peer is skipped; a wrong weight gradient is caught."""
+    cfg = BenchConfig(
+        nproc=2,
+        seq_lens=(64,),
+        methods=("ulysses", "upipe", "ring", "usp", "deepspeed-ulysses"),
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        repeats=1,
+        warmup=0,
+        json="",
+        plot="",
+        layer=True,
+    )
+    doc = run_bench(cfg, extra_methods=[WrongLayer()], quiet=True)
+    assert doc["reference_method"] == "layer:upipe(U=2)"
+    assert "without --layer" in doc["methods"]["deepspeed-ulysses"]["reason"]
+    assert "1-D group" in doc["methods"]["layer:usp"]["reason"]
+    rows = {r["method"]: r for r in doc["results"]}
+    assert set(rows) == {"layer:ulysses", "layer:upipe(U=2)", "layer:ring", "wrong-layer"}
+    for name, r in rows.items():
+        assert set(r["rel_err"]) == {"y", "dx", "dWq", "dWk", "dWv", "dWo"}
+        if name == "wrong-layer":
+            assert not r["correct"] and r["rel_err"]["y"] < 1e-5 < 0.5 < r["rel_err"]["dWo"]
+        else:
+            assert r["correct"] and r["max_rel_err"] < 1e-5, r
 
 
 def test_missing_peer_is_skipped_with_a_message(monkeypatch):

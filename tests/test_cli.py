@@ -22,7 +22,7 @@ def test_demo_small(tmp_path):
         "demo",
         "--nproc",
         "2",
-        "--seq-len",
+        "--seq-lens",
         "256",
         "--heads",
         "4",
@@ -34,17 +34,17 @@ def test_demo_small(tmp_path):
         str(out),
     )
     assert res.returncode == 0, res.stderr
-    assert "peak MiB/rank" in res.stdout
+    assert "peak MiB" in res.stdout
     doc = json.loads(out.read_text())
-    assert [row["strategy"] for row in doc["results"]] == ["ulysses", "upipe", "ring"]
+    assert [row["method"] for row in doc["results"]] == ["ulysses", "upipe(U=2)", "ring"]
     for row in doc["results"]:
-        assert row["strategy"] in res.stdout and len(row["peak_bytes_per_rank"]) == 2
+        assert row["method"] in res.stdout and len(row["peak_bytes_per_rank"]) == 2
         assert all(p > 0 for p in row["peak_bytes_per_rank"])
         assert max(row["rel_err"].values()) < 1e-5
 
 
 def test_bad_option_is_a_message_not_a_traceback():
-    res = _upipe("demo", "--nproc", "4", "--seq-len", "1001")
+    res = _upipe("demo", "--nproc", "4", "--seq-lens", "1001")
     assert res.returncode == 2
-    assert "--seq-len 1001 must be divisible by --nproc 4; try 1004" in res.stderr
+    assert "--seq-lens [1001] must be multiples of 2 * nproc = 8; try [1008]" in res.stderr
     assert "Traceback" not in res.stderr

@@ -28,8 +28,8 @@ LAYERS = {
     "model": ("upipe.model", "upipe.loss"),
     # the training stack; the same attention swap for Hugging Face models
     "train": ("upipe.train", "upipe.integrations"),
-    # what the commands run: the planner (it runs the Trainer), the benchmark, the demo
-    "tools": ("upipe.planner", "upipe.bench", "upipe.demo"),
+    # what the commands run: the planner (it runs the Trainer), the benchmark (and demo)
+    "tools": ("upipe.planner", "upipe.bench"),
     # the command line and the `python -m` entry points
     "cli": ("upipe.cli", "upipe.__main__", "upipe.train.__main__"),
 }  # fmt: skip

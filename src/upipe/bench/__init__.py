@@ -21,10 +21,11 @@ import dataclasses
 import json
 import os
 
-from upipe.bench.peers import DEFAULT_METHODS, PEERS, make_method
+from upipe.bench.layer import UpipeLayer
+from upipe.bench.peers import DEFAULT_METHODS, PEERS, Method, UpipeMethod, make_method
 from upipe.bench.run import TOLERANCE
 
-__all__ = ["BenchConfig", "PEERS", "run_bench"]
+__all__ = ["BenchConfig", "DemoConfig", "PEERS", "run_bench"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -63,6 +64,28 @@ class BenchConfig:
     """Write the JSON document here ('' to skip)."""
     plot: str = "upipe-bench.png"
     """Write the PNG plot here ('' to skip)."""
+    layer: bool = False
+    """Benchmark upipe's strategies as the whole attention layer (ContextParallelAttention:
+    projections, RoPE, attention, o_proj; x and weight gradients; `upipe.bench.layer`)
+    instead of the attention op on q/k/v. The peers are ops and are skipped."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DemoConfig(BenchConfig):
+    """`upipe demo`: the benchmark with upipe's own strategies at one length, once."""
+
+    seq_lens: tuple[int, ...] = (16384,)
+    """Full sequence lengths S (each divisible by 2 * nproc)."""
+    methods: tuple[str, ...] = ("ulysses", "upipe", "ring")
+    """Methods, in table order (see `upipe bench --help`)."""
+    repeats: int = 1
+    """Timed rounds; the median is reported."""
+    warmup: int = 0
+    """Untimed rounds before the timed ones."""
+    json: str = ""
+    """Write the JSON document here ('' to skip)."""
+    plot: str = ""
+    """Write the PNG plot here ('' to skip)."""
 
 
 def validate(cfg: BenchConfig, nproc: int) -> str | None:
@@ -71,25 +94,38 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return f"--nproc must be >= 1, got {nproc}"
     bad = [S for S in cfg.seq_lens if S < 1 or S % (2 * nproc)]
     if bad:
-        return f"--seq-lens {bad} must be multiples of 2 * nproc = {2 * nproc}"
+        fix = [max(S, 1) + (-max(S, 1)) % (2 * nproc) for S in bad]
+        return f"--seq-lens {bad} must be multiples of 2 * nproc = {2 * nproc}; try {fix}"
     if cfg.heads % cfg.kv_heads:
         return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
     if cfg.repeats < 1 or cfg.warmup < 0:
         return f"--repeats must be >= 1 and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
     for spec in cfg.methods:
         try:
-            make_method(spec, nproc)
+            _method(cfg, spec, nproc)
         except ValueError as exc:
             return str(exc)
     return None
+
+
+def _method(cfg: BenchConfig, spec: str, nproc: int) -> Method:
+    """The method named `spec`; with `cfg.layer` upipe's strategies run as the layer."""
+    m = make_method(spec, nproc)
+    if cfg.layer and isinstance(m, UpipeMethod):
+        shape = (cfg.heads, cfg.kv_heads, cfg.head_dim)
+        return UpipeLayer(m.kind, m.U, shape=shape, seed=cfg.seed, causal=cfg.causal)
+    return m
 
 
 def plan_methods(cfg: BenchConfig, nproc: int, extra=()) -> tuple[list, dict[str, str]]:
     """The methods that can run here, and {name: reason} for those skipped (static checks:
     peer installed, device supported, shape allowed at every sequence length)."""
     methods, skipped = [], {}
-    for m in [make_method(spec, nproc) for spec in cfg.methods] + list(extra):
+    for m in [_method(cfg, spec, nproc) for spec in cfg.methods] + list(extra):
         reason = None
+        if cfg.layer and m.inputs != "layer":
+            skipped[m.name] = "an attention op on q, k, v, not a layer: run it without --layer"
+            continue
         for S in cfg.seq_lens:
             reason = m.problem(H=cfg.heads, G=cfg.kv_heads, C=nproc, S=S, device=cfg.device)
             if reason:
@@ -111,7 +147,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     from tqdm import tqdm
 
     from upipe.bench import report
-    from upipe.bench.run import Plan, drive, in_process_runner, judge
+    from upipe.bench.run import RESULTS, Plan, drive, in_process_runner, judge
 
     under_torchrun = cfg.device == "cuda"
     if under_torchrun:
@@ -147,6 +183,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         repeats=cfg.repeats,
         seed=cfg.seed,
         methods=methods,
+        layer=cfg.layer,
     )
     steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
     bar = tqdm(total=steps, disable=not lead or quiet, desc="upipe bench", unit="step")
@@ -165,14 +202,16 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
             rows, failed = drive(cluster.run, plan, tick)
     bar.close()
     skipped.update(failed)
-    ref = next((m.name for m in methods if m.name.startswith("upipe(")), None)
+    ours = [m.name for m in methods if m.name.removeprefix("layer:").startswith("upipe(")]
+    ref = ours[0] if ours else None
     judge(rows, cfg.dtype, ref)
     header = (
         f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch} "
         f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}; "
         f"peak = per-rank max of tensors allocated in fwd+bwd ([B,L,D] = one "
         f"[B, S/{nproc}, H*d] tensor); median of {cfg.repeats} interleaved rounds; max err = "
-        f"max|x - ref| / max|ref| over out, dq, dk, dv vs float64 (tolerance "
+        f"max|x - ref| / max|ref| over {', '.join(RESULTS['layer' if cfg.layer else 'op'])} "
+        f"vs float64 (tolerance "
         f"{TOLERANCE[cfg.dtype]:.0e}); # = rank among correct methods"
     )
     doc = {

@@ -69,6 +69,8 @@ class Method:
     """PyPI package of a peer, None for upipe's own."""
     layout = "contiguous"
     """Sequence layout on a 1-D group (see `upipe.shard_sequence`)."""
+    inputs = "op"
+    """What it takes: "op" (q, k, v; dout) or "layer" (x; dy: `upipe.bench.layer`)."""
 
     def problem(self, *, H: int, G: int, C: int, S: int, device: str) -> str | None:
         return None
@@ -97,6 +99,16 @@ class Method:
         for part, pos in zip(parts, poss, strict=True):
             full_BSnd[:, pos] = part
         return full_BSnd
+
+    def leaves(self, local: list[torch.Tensor]):
+        """This rank's inputs as fresh leaves, and the output gradient, from the local cuts
+        of the drawn tensors (q, k, v, dout)."""
+        *inputs, dout = local
+        return [t.clone().requires_grad_() for t in inputs], dout
+
+    def results(self, out: torch.Tensor, leaves) -> list[torch.Tensor]:
+        """What is checked against the reference, whole (out, dq, dk, dv in token order)."""
+        return [self.unshard(t) for t in (out.detach(), *(x.grad for x in leaves))]
 
     def context(self):
         return contextlib.nullcontext()

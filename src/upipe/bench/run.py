@@ -3,13 +3,15 @@
 Legend: B batch, S full sequence, L = S / C local tokens, H query heads, G kv heads,
 d head dim, C ranks; one memory unit is one `[B, L, H*d]` tensor of the benchmark dtype.
 
-For each sequence length every rank draws the same full q/k/v/dout from the seed; rank 0
-computes the float64 reference on one process (`upipe.kernels`, no S x S matrix). Then
+For each sequence length every rank draws the same full q/k/v/dout (with --layer: x/dy,
+`upipe.bench.layer`) from the seed; rank 0 computes the float64 reference on one process
+(`upipe.kernels`, no S x S matrix). Then
 each method, on identical inputs cut into its own layout:
   1. a warm-up call on a few tokens (connections, caches, the tracker's first-use cost);
   2. one forward+backward under `upipe.MemoryTracker` (per-rank peak of the tensors
      allocated inside, inputs excluded) whose outputs and gradients are gathered to rank 0
-     and compared with the reference (max|x - ref| / max|ref| over out, dq, dk, dv);
+     and compared with the reference (max|x - ref| / max|ref| over out, dq, dk, dv; with
+     --layer over y, dx and the four weight gradients);
 then `warmup` + `repeats` rounds in which the methods take turns (interleaved, so drift
 hits all alike); a round's time is the slowest rank's, the result the median round.
 A method whose error is above the dtype's tolerance is flagged wrong and not ranked.
@@ -31,13 +33,15 @@ import torch
 import torch.distributed as dist
 
 import upipe
+from upipe.bench.layer import RESULTS as LAYER_RESULTS
+from upipe.bench.layer import layer_reference, layer_weights
 from upipe.bench.peers import Method
 from upipe.kernels import attention_backward, attention_forward
 
 # max|x - ref| / max|ref| above which a method is flagged wrong (fp32: the same kernels
 # measure about 1e-6; bf16/fp16: single-device attention alone reaches a few 1e-2 backward).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 8e-2, "float16": 2e-2}
-GRADS = ("out", "dq", "dk", "dv")
+RESULTS = {"op": ("out", "dq", "dk", "dv"), "layer": LAYER_RESULTS}
 _STATE: dict = {}
 
 
@@ -80,33 +84,42 @@ def step_setup(rank, world_size, methods: list[Method], device: str) -> dict[str
     return failed
 
 
-def step_inputs(rank, world_size, shape: dict, seed: int, dtype: str, device: str, causal: bool):
-    """Draw this sequence length's full inputs (same on every rank); rank 0 also computes the
-    float64 reference. Returns nothing."""
+def step_inputs(rank, world_size, shape: dict, seed: int, dtype: str, device: str, causal, layer):
+    """Draw this sequence length's full inputs (same on every rank): q, k, v, dout, or with
+    `layer` x and dy `[B, S, H*d]`; rank 0 also computes the float64 reference. Returns
+    nothing."""
     dev = _device(rank, device)
     gen = torch.Generator().manual_seed(seed)
     B, S, H, G, d = (shape[k] for k in "BSHGd")
-    full = [torch.randn(B, S, n, d, generator=gen) for n in (H, G, G, H)]
+    if layer:
+        full = [torch.randn(B, S, H * d, generator=gen) for _ in range(2)]
+    else:
+        full = [torch.randn(B, S, n, d, generator=gen) for n in (H, G, G, H)]
     _STATE["full"] = [t.to(dev, getattr(torch, dtype)) for t in full]
     _STATE["reference"] = None
     if rank == 0:  # on the CPU (the fused CUDA kernels have no float64)
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, world_size))  # the other ranks wait meanwhile
-        q64, k64, v64, do64 = (t.cpu().double() for t in _STATE["full"])
-        out64, lse = attention_forward(q64, k64, v64, causal=causal)
-        grads = attention_backward(do64, q64, k64, v64, out64, lse, causal=causal)
-        _STATE["reference"] = (out64, *grads)
+        full64 = [t.cpu().double() for t in _STATE["full"]]
+        if layer:
+            weights = layer_weights(seed, H, G, d)
+            _STATE["reference"] = layer_reference(*full64, weights, H=H, G=G, causal=causal)
+        else:
+            q64, k64, v64, do64 = full64
+            out64, lse = attention_forward(q64, k64, v64, causal=causal)
+            grads = attention_backward(do64, q64, k64, v64, out64, lse, causal=causal)
+            _STATE["reference"] = (out64, *grads)
         torch.set_num_threads(threads)
     dist.barrier()
 
 
 def _leaves(m: Method, n: int | None = None):
-    """The method's local q, k, v (fresh leaves) and dout, cut to n local tokens if given."""
+    """The method's local inputs (fresh leaves) and output gradient, cut to n local tokens
+    if given."""
     local = [m.shard(t) for t in _STATE["full"]]
     if n is not None:
         local = [t[:, :n] for t in local]
-    q, k, v, dout = local
-    return [t.clone().requires_grad_() for t in (q, k, v)], dout
+    return m.leaves(local)
 
 
 def _fwd_bwd(m: Method, leaves, dout, causal: bool):
@@ -134,14 +147,14 @@ def step_measure(rank, world_size, name: str, causal: bool) -> dict:
     if reason is not None:
         return {"failed": reason}
     peak = mem.peak_bytes if mem.cuda_peak_bytes is None else mem.cuda_peak_bytes
-    results = [m.unshard(t) for t in (out.detach(), *(x.grad for x in leaves))]
+    results = m.results(out, leaves)
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak, group=group)
     if rank != 0:
         return {}
     errors = {
         key: ((got.cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-        for key, got, ref in zip(GRADS, results, _STATE["reference"], strict=True)
+        for key, got, ref in zip(RESULTS[m.inputs], results, _STATE["reference"], strict=True)
     }
     return {"peak_bytes_per_rank": peaks, "rel_err": errors}
 
@@ -190,6 +203,7 @@ class Plan:
     repeats: int
     seed: int
     methods: list[Method]
+    layer: bool = False
 
 
 def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
@@ -206,7 +220,7 @@ def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
     rows = []
     for S in plan.seq_lens:
         shape = {"B": plan.B, "S": S, "H": plan.H, "G": plan.G, "d": plan.d}
-        run(step_inputs, shape, plan.seed, plan.dtype, plan.device, plan.causal)
+        run(step_inputs, shape, plan.seed, plan.dtype, plan.device, plan.causal, plan.layer)
         tick(f"S={S}: reference")
         measured = {}
         for name in list(names):

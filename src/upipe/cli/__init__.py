@@ -1,6 +1,6 @@
 """Command line: `upipe COMMAND` (train, demo, bench, plan); every command lives here.
 
-The library packages (`upipe.train`, `upipe.demo`, `upipe.bench`, `upipe.planner`) hold no
+The library packages (`upipe.train`, `upipe.bench`, `upipe.planner`) hold no
 parser, read no environment variable and launch nothing: each command module here defines
 `add_command(subparsers)`, which builds the command's parser (options derived from the
 library's config dataclass, see `upipe.cli.options`) and sets `handler(ns, parser) -> int`
