@@ -1,29 +1,177 @@
-"""Training data: documents packed into one token stream, cut into fixed-length samples.
+"""Training data: documents tokenized lazily, packed into one token stream, cut into
+fixed-length samples.
 
-Tokenizer: bytes (ids 0..255) plus `EOS` (256) after every document, so the vocabulary is
-257 and nothing is downloaded. Documents come from text files (one document per file) or
-JSON-lines files (one document per line, its "text" field); the default corpus is the
-Python standard library's own source files (`*.py` under `sysconfig`'s stdlib path, tens of
-MB on any machine with Python). The document order is shuffled with the seed, so the same
-seed gives the same stream on every process, for every strategy and process count.
+Legend: B batch (rows of a batch), S tokens per row (`seq_len`).
+
+Tokenizers (`load_tokenizer`):
+- bytes (the default, nothing downloaded): ids 0..255 are the UTF-8 bytes, `EOS` = 256, so
+  the vocabulary is 257;
+- a local Hugging Face tokenizer (`tokenizer.json`, or a directory holding one): read with
+  the `tokenizers` library (`HFTokenizer`), EOS = the id of the `eos_token` that the
+  directory's `tokenizer_config.json` (or `special_tokens_map.json`) names.
+Each document becomes `encode(text) + [eos_id]`: no BOS, EOS alone separates documents, and
+the EOS id occurs nowhere else in the stream (special-token strings inside a document's
+text are encoded as plain text), so "input token is EOS" marks exactly a document's end.
+
+Documents come from text files (one document per file), JSON-lines files (one per line, its
+"text" field) and Hugging Face datasets saved with `save_to_disk` (a directory; its "text"
+column; a `DatasetDict` contributes its "train" split; needs the `datasets` package). The
+default corpus is the Python standard library's own source files (`*.py` under
+`sysconfig`'s stdlib path, tens of MB on any machine with Python). The file order is
+shuffled with the seed (a saved dataset's rows too), so the same seed gives the same stream
+on every process, for every strategy and process count. Nothing is tokenized before it is
+needed: the stream grows one document at a time up to the furthest token asked for, and a
+document's ids depend on that document alone (deterministic whatever the batch order).
 
 Sample i is tokens [i*S, i*S + S + 1) of the stream (repeated end to end when it runs out):
 input_ids = its first S tokens, labels = its last S (labels are shifted on the full
 sequence, before it is sharded across the context-parallel ranks). Packed documents attend
-to each other (no document mask); positions run 0..S-1 per sample.
+to each other unless the trainer masks documents, with, per row, the document boundaries of
+`PackedTokens.documents` (cu_seqlens) and `mask_document_ends` for the labels.
+
+Held-out data: with `eval_fraction` f > 0, a document whose text hashes (BLAKE2b, 64 bits)
+below f * 2^64 belongs to the evaluation stream and never to the training stream, so
+`eval_batch` never shares a document (nor a duplicate of one) with `batch`. The split does
+not depend on the seed, the tokenizer or the file order: every run holds out the same
+documents. f = 0 (the default) leaves the training stream exactly as it was before the split
+existed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from upipe.loss import IGNORE_INDEX
+
 EOS = 256
 VOCAB_SIZE = 257
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255 and EOS = 256 (vocabulary 257; nothing to download)."""
+
+    vocab_size = VOCAB_SIZE
+    eos_id = EOS
+
+    def encode(self, text: bytes) -> torch.Tensor:
+        """The ids `[n]` (int32) of one document's text, without the EOS."""
+        if not text:
+            return torch.empty(0, dtype=torch.int32)
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int32)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer (`tokenizer.json`) run by the `tokenizers` library.
+
+    Why `tokenizers` and not `transformers.AutoTokenizer`: `tokenizer.json` is what every
+    current checkpoint ships (Llama 3, Qwen3, Mistral), `tokenizers` reads it alone (no
+    `transformers`, no remote code, no network), and its Rust encoder is deterministic and
+    fast. A directory with only a SentencePiece `tokenizer.model` can be converted once with
+    `AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`, which writes `tokenizer.json`.
+    """
+
+    def __init__(self, tokenizer, *, eos_id: int, name: str = "tokenizer"):
+        self._tokenizer = tokenizer
+        # special-token strings in a document are text, not control tokens: the EOS id then
+        # marks document ends only (what `mask_document_ends` relies on)
+        tokenizer.encode_special_tokens = True
+        self.eos_id = eos_id
+        self.name = name
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        """Largest id + 1 (ids may have holes; the embedding needs a row for each)."""
+
+    @classmethod
+    def from_path(cls, path: str | Path, *, eos_token: str | None = None) -> HFTokenizer:
+        """The tokenizer of `path` (`tokenizer.json`, or a directory holding one). EOS:
+        `eos_token` if given, else the `eos_token` of `tokenizer_config.json` or
+        `special_tokens_map.json` next to it; ValueError if none names one."""
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError(
+                "a Hugging Face tokenizer needs the `tokenizers` package: "
+                "pip install tokenizers (or pip install -e '.[hf]')"
+            ) from None
+        path = Path(path).expanduser()
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            hint = (
+                "; it has a SentencePiece tokenizer.model: convert it once with "
+                "transformers.AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
+                if path.is_dir() and (path / "tokenizer.model").exists()
+                else ""
+            )
+            raise ValueError(f"--tokenizer: no tokenizer.json at {path}{hint}")
+        tokenizer = Tokenizer.from_file(str(file))
+        eos_token = eos_token or _configured_eos(file.parent)
+        if eos_token is None:
+            raise ValueError(
+                f"--tokenizer {path}: no EOS token (documents are separated by it): put a "
+                f'tokenizer_config.json with "eos_token" next to {file.name}, or pass eos_token='
+            )
+        eos_id = tokenizer.token_to_id(eos_token)
+        if eos_id is None:
+            raise ValueError(
+                f"--tokenizer {path}: EOS token {eos_token!r} is not in its vocabulary; "
+                "pass eos_token= one of its special tokens"
+            )
+        return cls(tokenizer, eos_id=eos_id, name=str(path))
+
+    def encode(self, text: bytes) -> torch.Tensor:
+        """The ids `[n]` (int32) of one document's UTF-8 text (invalid bytes become U+FFFD),
+        without special tokens (no BOS) and without the EOS."""
+        enc = self._tokenizer.encode(
+            text.decode("utf-8", errors="replace"), add_special_tokens=False
+        )
+        ids = torch.tensor(enc.ids, dtype=torch.int32)
+        if (ids == self.eos_id).any():
+            raise ValueError(
+                f"{self.name}: plain text encoded to the EOS id {self.eos_id}; documents could "
+                "not be told apart (its EOS token must be a special token outside the model vocab)"
+            )
+        return ids
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _configured_eos(directory: Path) -> str | None:
+    """The `eos_token` named by a Hugging Face tokenizer directory's JSON files, or None."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = directory / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token")
+            if isinstance(eos, dict):  # an AddedToken written out: {"content": ..., ...}
+                eos = eos.get("content")
+            if eos:
+                return eos
+    return None
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(spec: str | Path | None) -> Tokenizer:
+    """`--tokenizer`: None (or "bytes") for the byte tokenizer, else a path for `HFTokenizer`."""
+    if spec is None or str(spec) == "bytes":
+        return ByteTokenizer()
+    return HFTokenizer.from_path(spec)
+
+
+# --------------------------------------------------------------------------- documents
 
 
 def default_corpus() -> list[Path]:
@@ -32,15 +180,37 @@ def default_corpus() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
+def _is_saved_dataset(path: Path) -> bool:
+    """A directory written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict)."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            "reading a saved Hugging Face dataset needs the `datasets` package: "
+            "pip install datasets"
+        ) from None
+    return datasets
+
+
 def corpus_files(spec: str | None) -> list[Path]:
-    """The files of `--data` (comma-separated files or directories; None: the default
-    corpus); ValueError naming the entry that does not exist or holds nothing."""
+    """The sources of `--data` (comma-separated files or directories; a directory saved by
+    `datasets` is one source; None: the default corpus); ValueError naming the entry that
+    does not exist or holds nothing."""
     if spec is None:
         return default_corpus()
     files = []
     for part in spec.split(","):
         path = Path(part).expanduser()
-        if path.is_dir():
+        if path.is_dir() and _is_saved_dataset(path):
+            _import_datasets()
+            files.append(path)
+        elif path.is_dir():
             files += sorted(
                 p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
             )
@@ -53,15 +223,38 @@ def corpus_files(spec: str | None) -> list[Path]:
     return files
 
 
-def _documents(path: Path):
-    """The documents of one file as bytes: each JSON line's "text", or the whole file."""
-    if path.suffix in (".jsonl", ".ndjson"):
+def _dataset_documents(path: Path, seed: int, rows_per_read: int = 1024) -> Iterator[bytes]:
+    """The "text" column of a saved dataset (its "train" split), rows shuffled by `seed`."""
+    datasets = _import_datasets()
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f'--data {path}: the DatasetDict has no "train" split ({list(ds)})')
+        ds = ds["train"]
+    if "text" not in ds.column_names:
+        raise ValueError(f'--data {path}: no "text" column (columns: {ds.column_names})')
+    ds = ds.select_columns(["text"])
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))
+    for first in range(0, len(ds), rows_per_read):
+        rows = order[first : first + rows_per_read].tolist()
+        for row, text in zip(rows, ds[rows]["text"], strict=True):
+            if not isinstance(text, str):
+                raise ValueError(f'--data {path}: row {row} has a "text" of type {type(text)}')
+            yield text.encode()
+
+
+def _documents(path: Path, seed: int = 0) -> Iterator[bytes]:
+    """The documents of one source as bytes: each JSON line's "text", a saved dataset's
+    rows, or the whole file."""
+    if path.is_dir():
+        yield from _dataset_documents(path, seed)
+    elif path.suffix in (".jsonl", ".ndjson"):
         with path.open() as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
                         yield json.loads(line)["text"].encode()
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                         raise ValueError(
                             f'{path}:{n}: expected a JSON object with a "text" string ({e})'
                         ) from None
@@ -69,38 +262,96 @@ def _documents(path: Path):
         yield path.read_bytes()
 
 
-class PackedTokens:
-    """The token stream of a corpus, read lazily up to the furthest token asked for."""
+def held_out(text: bytes, fraction: float) -> bool:
+    """Whether a document belongs to the evaluation split: its 64-bit BLAKE2b hash is below
+    `fraction` * 2^64 (depends on the text alone: duplicates fall on the same side)."""
+    digest = hashlib.blake2b(text, digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2.0**64
 
-    def __init__(self, data: str | None = None, *, seed: int = 0):
-        self.files = corpus_files(data)
-        random.Random(seed).shuffle(self.files)
-        self._chunks: list[torch.Tensor] = []
-        self._length = 0
-        self._next_file = 0
+
+def mask_document_ends(
+    input_ids_BS: torch.Tensor, labels_BS: torch.Tensor, eos_id: int
+) -> torch.Tensor:
+    """`labels_BS` with -100 (ignored by the loss) wherever the input is a document's last
+    token, i.e. its EOS: that token's label is the first token of the *next* document, which
+    a model attending within documents cannot predict. Exactly the positions `cu[i] - 1` for
+    every inner boundary `cu[i]` of `PackedTokens.documents`, plus S - 1 when a document
+    ends exactly at the row's end (its next token lies outside the row). Apply it on the
+    full `[B, S]` batch, before sharding."""
+    if input_ids_BS.shape != labels_BS.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids_BS.shape)} and labels {tuple(labels_BS.shape)} differ"
+        )
+    return labels_BS.masked_fill(input_ids_BS == eos_id, IGNORE_INDEX)
+
+
+# --------------------------------------------------------------------------- the stream
+
+
+class _Growing:
+    """A 1-D tensor that grows by appending, its storage doubling (amortised O(1) per item)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self._data = torch.empty(1 << 12, dtype=dtype)
+        self.size = 0
+
+    def append(self, values: torch.Tensor) -> None:
+        need = self.size + values.numel()
+        if need > self._data.numel():
+            grown = torch.empty(max(need, 2 * self._data.numel()), dtype=self._data.dtype)
+            grown[: self.size] = self._data[: self.size]
+            self._data = grown
+        self._data[self.size : need] = values
+        self.size = need
+
+    def view(self) -> torch.Tensor:
+        return self._data[: self.size]
+
+
+class _Stream:
+    """Documents `keep` accepts, from `sources` in order (repeated end to end), tokenized one
+    at a time as the stream grows; `ends` holds each document's end offset (exclusive)."""
+
+    def __init__(self, sources, tokenizer, *, seed: int, keep: Callable | None, empty: str):
+        self._sources, self._tokenizer, self._seed = sources, tokenizer, seed
+        self._keep, self._empty = keep, empty
+        self._tokens = _Growing(torch.int32)
+        self._ends = _Growing(torch.int64)
+        self._docs = self._cycle()
+
+    def _cycle(self) -> Iterator[bytes]:
+        while True:
+            found = False
+            for source in self._sources:
+                for doc in _documents(source, self._seed):
+                    if self._keep is None or self._keep(doc):
+                        found = True
+                        yield doc
+            if not found:
+                raise ValueError(self._empty)
 
     def _read_until(self, n: int) -> None:
-        while self._length < n:
-            if self._next_file == len(self.files):
-                if self._length == 0:
-                    raise ValueError("the corpus holds no text")
-                self._next_file = 0  # wrap around: the stream repeats
-            for doc in _documents(self.files[self._next_file]):
-                ids = torch.frombuffer(bytearray(doc + b"\0"), dtype=torch.uint8).long()
-                ids[-1] = EOS
-                self._chunks.append(ids)
-                self._length += ids.numel()
-            self._next_file += 1
+        eos = torch.tensor([self._tokenizer.eos_id], dtype=torch.int32)
+        while self._tokens.size < n:
+            self._tokens.append(self._tokenizer.encode(next(self._docs)))
+            self._tokens.append(eos)
+            self._ends.append(torch.tensor([self._tokens.size]))
 
     def tokens(self, start: int, stop: int) -> torch.Tensor:
         """Tokens [start, stop) of the stream (LongTensor)."""
         self._read_until(stop)
-        if len(self._chunks) > 1:
-            self._chunks = [torch.cat(self._chunks)]
-        return self._chunks[0][start:stop]
+        return self._tokens.view()[start:stop].long()
+
+    def boundaries(self, start: int, seq_len: int) -> torch.Tensor:
+        """cu_seqlens `[0, e1, ..., seq_len]` (int32) of the documents in [start, start + S)."""
+        self._read_until(start + seq_len + 1)
+        ends = self._ends.view()
+        lo = int(torch.searchsorted(ends, start, right=True))
+        hi = int(torch.searchsorted(ends, start + seq_len, right=False))
+        inner = ends[lo:hi] - start
+        return torch.cat([inner.new_zeros(1), inner, inner.new_full((1,), seq_len)]).int()
 
     def batch(self, index: int, batch_size: int, seq_len: int):
-        """Batch `index` of `batch_size` samples: input_ids, labels, both [batch_size, S]."""
         first = index * batch_size
         rows = [
             self.tokens((first + b) * seq_len, (first + b + 1) * seq_len + 1)
@@ -108,3 +359,90 @@ class PackedTokens:
         ]
         tokens_BS1 = torch.stack(rows)
         return tokens_BS1[:, :-1].contiguous(), tokens_BS1[:, 1:].contiguous()
+
+    def documents(self, index: int, batch_size: int, seq_len: int) -> list[torch.Tensor]:
+        first = index * batch_size
+        return [self.boundaries((first + b) * seq_len, seq_len) for b in range(batch_size)]
+
+
+class PackedTokens:
+    """The token stream of a corpus, read lazily up to the furthest token asked for.
+
+    `tokenizer`: a tokenizer object, a path (see `load_tokenizer`) or None (bytes).
+    `eval_fraction`: the share of documents held out for `eval_batch` (see the module doc).
+    """
+
+    def __init__(
+        self,
+        data: str | None = None,
+        *,
+        seed: int = 0,
+        tokenizer: Tokenizer | str | Path | None = None,
+        eval_fraction: float = 0.0,
+    ):
+        if not 0.0 <= eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+        if tokenizer is None or isinstance(tokenizer, str | Path):
+            tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        self.eval_fraction = eval_fraction
+        self.files = corpus_files(data)
+        random.Random(seed).shuffle(self.files)
+        train_keep = None
+        if eval_fraction > 0:
+            train_keep = lambda doc: not held_out(doc, eval_fraction)
+        self._train = _Stream(
+            self.files, tokenizer, seed=seed, keep=train_keep,
+            empty="the corpus holds no text" + (
+                f" outside the held-out eval_fraction={eval_fraction}" if eval_fraction else ""
+            ),
+        )  # fmt: skip
+        self._eval = None
+        if eval_fraction > 0:
+            self._eval = _Stream(
+                self.files, tokenizer, seed=seed,
+                keep=lambda doc: held_out(doc, eval_fraction),
+                empty=f"no document of the corpus is held out at eval_fraction={eval_fraction}"
+                "; raise it (or add documents)",
+            )  # fmt: skip
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary size (size the model's embedding from it)."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        """The id that ends every document."""
+        return self.tokenizer.eos_id
+
+    def tokens(self, start: int, stop: int) -> torch.Tensor:
+        """Tokens [start, stop) of the training stream (LongTensor)."""
+        return self._train.tokens(start, stop)
+
+    def batch(self, index: int, batch_size: int, seq_len: int):
+        """Batch `index` of `batch_size` samples: input_ids, labels, both [batch_size, S]."""
+        return self._train.batch(index, batch_size, seq_len)
+
+    def documents(self, index: int, batch_size: int, seq_len: int) -> list[torch.Tensor]:
+        """Per row of `batch(index, batch_size, seq_len)`, the cu_seqlens (int32) of its
+        documents: `[0, e1, ..., S]`, where each inner `e` is the row position right after a
+        document's EOS; a document cut by the row's start or end counts as one inside it."""
+        return self._train.documents(index, batch_size, seq_len)
+
+    def _held_out(self):
+        if self._eval is None:
+            raise ValueError(
+                "no held-out data: PackedTokens(..., eval_fraction=0.0); pass an "
+                "eval_fraction > 0 (e.g. 0.01) to hold out that share of documents"
+            )
+        return self._eval
+
+    def eval_batch(self, index: int, batch_size: int, seq_len: int):
+        """Like `batch`, from the held-out documents (never in a training batch); the
+        held-out stream repeats end to end like the training one."""
+        return self._held_out().batch(index, batch_size, seq_len)
+
+    def eval_documents(self, index: int, batch_size: int, seq_len: int) -> list[torch.Tensor]:
+        """Like `documents`, for `eval_batch`."""
+        return self._held_out().documents(index, batch_size, seq_len)
