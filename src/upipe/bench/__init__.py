@@ -44,7 +44,7 @@ class BenchConfig:
     """Key/value heads G (G < H: grouped-query attention)."""
     head_dim: int = 32
     """Head dimension d."""
-    batch: int = 1
+    batch_size: int = 1
     """Batch size B."""
     dtype: str = dataclasses.field(
         default="float32", metadata={"choices": ("float32", "bfloat16", "float16")}
@@ -172,7 +172,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     plan = Plan(
         seq_lens=tuple(cfg.seq_lens),
         nproc=nproc,
-        B=cfg.batch,
+        B=cfg.batch_size,
         H=cfg.heads,
         G=cfg.kv_heads,
         d=cfg.head_dim,
@@ -206,7 +206,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     ref = ours[0] if ours else None
     judge(rows, cfg.dtype, ref)
     header = (
-        f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch} "
+        f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch_size} "
         f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}; "
         f"peak = per-rank max of tensors allocated in fwd+bwd ([B,L,D] = one "
         f"[B, S/{nproc}, H*d] tensor); median of {cfg.repeats} interleaved rounds; max err = "
