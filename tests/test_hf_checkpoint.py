@@ -1,0 +1,208 @@
+"""upipe.model.hf_checkpoint: Hugging Face Llama / Qwen3 checkpoints into and out of CausalLM,
+against `transformers` itself (small random models built from configs; nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TOL, rel_err
+
+from upipe.model import (
+    CausalLM,
+    ModelConfig,
+    config_from_hf,
+    load_hf_checkpoint,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
+
+transformers = pytest.importorskip("transformers")
+
+# GQA (8 query heads, 2 kv heads), head_dim 16 != hidden / heads (8), non-default theta/eps
+COMMON = dict(
+    vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    initializer_range=0.1,
+)  # fmt: skip
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 5e5}
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(
+        **COMMON,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),  # fmt: skip
+}
+
+
+def hf_model(arch, dtype=torch.float32):
+    """A random transformers model; norm weights perturbed so that a misplaced one shows."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(1)
+    ids_BS = torch.randint(0, COMMON["vocab_size"], (2, 24), generator=gen)
+    return ids_BS, torch.arange(24).expand(2, -1)
+
+
+def hf_logits(model):
+    ids_BS, pos_BS = inputs()
+    with torch.no_grad():
+        return model(input_ids=ids_BS, position_ids=pos_BS).logits
+
+
+def upipe_logits(model):
+    with torch.no_grad():
+        return model(*inputs())
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def arch(request):
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logits_equal_transformers(arch, dtype, tmp_path):
+    ref = hf_model(arch, dtype)
+    ref.save_pretrained(tmp_path)
+    model = load_hf_checkpoint(tmp_path, dtype=dtype)
+    cfg = model.config
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm) == (8, 2, 16, arch == "qwen3")
+    assert cfg.tie_embeddings == (arch == "qwen3")
+    assert cfg.rope_theta == {"llama": 5e5, "qwen3": 1e6}[arch]
+    assert all(p.dtype == dtype for p in model.parameters())
+    err = rel_err(upipe_logits(model), hf_logits(ref))
+    # float64: transformers still computes RMSNorm and the RoPE angles in fp32
+    assert err < TOL[torch.float32]["fwd"], err
+
+
+def test_round_trip_through_transformers(arch, tmp_path):
+    ref = hf_model(arch)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf_checkpoint(tmp_path / "hf")
+    save_hf_checkpoint(model, tmp_path / "out", base_config=tmp_path / "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    )
+    assert type(back) is type(ref)
+    want, got = ref.state_dict(), back.state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)  # bit-identical weights
+    assert torch.equal(hf_logits(back.eval()), hf_logits(ref))
+    # and into upipe again: the same parameters, bit for bit
+    again = load_hf_checkpoint(tmp_path / "out")
+    assert again.config == model.config
+    for (n, p), (m, q) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        assert n == m and torch.equal(p, q), n
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["max_position_embeddings"] == ref.config.max_position_embeddings  # from base
+
+
+def test_sharded_checkpoints_both_ways(arch, tmp_path):
+    ref = hf_model(arch)
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    model = load_hf_checkpoint(tmp_path / "hf")
+    assert rel_err(upipe_logits(model), hf_logits(ref)) < TOL[torch.float32]["fwd"]
+    save_hf_checkpoint(model, tmp_path / "out", max_shard_bytes=40_000)
+    shards = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "out" / "model.safetensors").exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    )
+    assert torch.equal(hf_logits(back.eval()), hf_logits(ref))
+
+
+def test_save_in_bfloat16(tmp_path):
+    model = CausalLM(ModelConfig(vocab_size=64, dim=32, ffn_dim=48, qk_norm=True))
+    model.init_weights(0)
+    save_hf_checkpoint(model, tmp_path, dtype=torch.bfloat16)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(back).__name__ == "Qwen3ForCausalLM" and back.dtype == torch.bfloat16
+    again = load_hf_checkpoint(tmp_path, dtype=torch.bfloat16)
+    for p, q in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(p.bfloat16(), q)
+
+
+def test_config_from_transformers4_style_dict():
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "pretraining_tp": 1,
+        "torch_dtype": "bfloat16",
+    }  # fmt: skip  (Meta-Llama-3-8B's config.json, trimmed)
+    from upipe.model import get_config
+
+    assert config_from_hf(hf) == get_config("llama3-8b")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+            "rope type 'llama3' is not supported",
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+        ({"use_sliding_window": True}, "use_sliding_window=True"),
+        ({"num_key_value_heads": 3}, r"n_kv_heads \(3\) must divide n_heads \(8\)"),
+    ],
+)
+def test_unsupported_configs(change, message):
+    hf = CONFIGS["llama"]().to_dict()
+    if "rope_scaling" in change:
+        hf.pop("rope_parameters")
+    hf.update(change)
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+def test_load_errors(tmp_path):
+    ref = hf_model("llama")
+    ref.save_pretrained(tmp_path)
+    other = CausalLM(ModelConfig(vocab_size=101, dim=64))
+    with pytest.raises(ValueError, match=r"n_kv_heads 2 \(checkpoint\) vs 4 \(model\)"):
+        load_hf_weights(other, tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    norm = tensors["model.norm.weight"]
+    save_file({**tensors, "model.norm.weight": norm[:-1]}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(63,\), the model \(64,\)"):
+        load_hf_checkpoint(tmp_path)
+    tensors["model.extra.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing.*model\.norm\.weight.*model\.extra\.weight"):
+        load_hf_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="neither model.safetensors"):
+        load_hf_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_hf_checkpoint(tmp_path / "nowhere")
