@@ -26,7 +26,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from upipe.comm import LAYOUTS
+from upipe.comm import LAYOUTS, check_cu_seqlens
 from upipe.kernels import BACKENDS
 from upipe.mesh import check_mesh, validation_group
 from upipe.torch_private import saved_tensor_hooks_active
@@ -171,6 +171,29 @@ def agree_across_ranks(group, local_check, signature_fn, cohort=None, device=Non
                 "multiple of the group size)"
             )
     _AGREED.setdefault(group, set()).add(key)
+
+
+class DocumentsArg:
+    """A strategy's `cu_seqlens` argument on its way through validation.
+
+    `check(S)` is a local check (run inside `agree_across_ranks`, so a bad value raises the
+    same ValueError on every rank): it validates the boundaries for a full sequence of S
+    tokens (`upipe.comm.check_cu_seqlens`) and keeps them, as host ints, in `bounds` (None
+    without documents). The agreed signature records only *whether* documents are given:
+    the boundaries are data that change every batch, and comparing them across ranks would
+    cost an exchange per call. Ranks passing different boundaries therefore get wrong
+    results, not a hang -- no collective depends on them (every ring step communicates,
+    whatever it computes)."""
+
+    def __init__(self, cu_seqlens):
+        self.cu_seqlens, self.bounds = cu_seqlens, None
+
+    def check(self, S: int) -> None:
+        if self.cu_seqlens is not None:
+            self.bounds = check_cu_seqlens(self.cu_seqlens, S)
+
+    def signature(self) -> dict:
+        return {"documents": self.cu_seqlens is not None}
 
 
 def check_ring_layout(layout, P: int, R: int, C: int) -> None:

@@ -266,6 +266,7 @@ def fused_upipe_attention(
     ring_group=None,
     ring_layout="zigzag",
     overlap=None,
+    docs=None,
 ):
     """y = o_proj(UPipe(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with everything staged.
 
@@ -280,7 +281,9 @@ def fused_upipe_attention(
     of `upipe.comm`, contiguous within the ulysses group, `ring_layout` across the ring) each
     stage's attention is ring attention over it. `overlap`: start each next stage's
     exchanges during the current stage's attention (see the module doc; None:
-    `default_overlap`).
+    `default_overlap`). `docs`: validated document boundaries of the full sequence
+    (`upipe.comm.check_cu_seqlens`; a tuple of ints) -- each stage's attention is then
+    document-masked, forward and recomputed backward alike; None: one document.
     Inputs are not validated here: `ContextParallelAttention` does that.
     """
     kernel = resolve_backend(backend, x.device, x.dtype)
@@ -288,7 +291,7 @@ def fused_upipe_attention(
         rounds=tuple(rounds),
         head_dim=head_dim,
         ex=HeadExchange(group, layout),
-        attn=StageAttention(causal, softmax_scale, backend, ring_group, ring_layout),
+        attn=StageAttention(causal, softmax_scale, backend, ring_group, ring_layout, docs),
         rope_interleaved=rope_interleaved,
         norm_eps=norm_eps,
         overlap=default_overlap(x, group) if overlap is None else bool(overlap),

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from upipe.attention.common import (
+    DocumentsArg,
     _divisors,
     agree_across_ranks,
     check_group,
@@ -151,7 +152,11 @@ class ContextParallelAttention(nn.Module):
             + ("" if self.mesh is None else f", ring={self.mesh['ring'].size()}")
         )
 
-    def _validate(self, x, position_ids):
+    def _validate(self, x, position_ids, cu_seqlens=None):
+        """Validates on every rank (the same error everywhere); returns the validated
+        document boundaries (a tuple of ints) or None."""
+        docs = DocumentsArg(cu_seqlens)
+
         def local():
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -172,28 +177,38 @@ class ContextParallelAttention(nn.Module):
                     f"x has dtype {x.dtype} but the weights have {self.q_proj.weight.dtype}"
                 )
             C = torch.distributed.get_world_size(self.group)
+            R = 1 if self.mesh is None else self.mesh["ring"].size()
             if self.mesh is None:
                 check_layout(self.layout, x.shape[1], C)
             else:
-                check_ring_layout(self.layout, C * x.shape[1], self.mesh["ring"].size(), C)
+                check_ring_layout(self.layout, C * x.shape[1], R, C)
+            docs.check(R * C * x.shape[1])
 
         def signature():
-            return {"x shape": tuple(x.shape), "dtype": str(x.dtype)}
+            return {"x shape": tuple(x.shape), "dtype": str(x.dtype), **docs.signature()}
 
         group, cohort = self.agree or (self.group, None)
         device = x.device if isinstance(x, torch.Tensor) else None
         agree_across_ranks(group, local, signature, cohort, device)
+        return docs.bounds
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        self._validate(x, position_ids)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """`cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (1-D
+        integer tensor or ints, the same on every rank and batch row): each token attends
+        only within its document (`upipe.attention.documents`); position_ids then usually
+        restart per document (`upipe.comm.document_positions`). None: one document."""
+        docs = self._validate(x, position_ids, cu_seqlens)
         d = self.head_dim
         cos, sin = rope_cos_sin(
             position_ids, d, theta=self.rope_theta, interleaved=self.rope_interleaved, dtype=x.dtype
         )
-        return self._attend(x, cos, sin)
+        return self._attend(x, cos, sin, docs)
 
-    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The layer on validated x `[B, L, D]` with RoPE cos/sin `[B, L, d]` for its tokens.
+    def _attend(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None
+    ) -> torch.Tensor:
+        """The layer on validated x `[B, L, D]` with RoPE cos/sin `[B, L, d]` for its tokens
+        and validated document boundaries `docs` (a tuple of ints, or None).
 
         Projection biases, where the projections have them (Hugging Face Qwen2 and
         `attention_bias=True` models, see `upipe.integrations.hf`), are applied too."""
@@ -223,6 +238,7 @@ class ContextParallelAttention(nn.Module):
                 ring_group=self.ring_group,
                 ring_layout=self.layout,
                 overlap=self.overlap,
+                docs=docs,
             )
             return y if self.o_proj.bias is None else y + self.o_proj.bias
         B, L, _ = x.shape
@@ -232,7 +248,7 @@ class ContextParallelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
-        kw = dict(causal=self.causal, backend=self.backend)
+        kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs)
         if self.mesh is None:
             op = get_strategy(self.strategy).op
             out = op(q, k, v, group=self.group, layout=self.layout, **kw)

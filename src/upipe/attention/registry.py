@@ -33,7 +33,9 @@ class Strategy:
     name: str
     op: Callable | None
     """The functional op `op(q, k, v, *, group | mesh, causal, softmax_scale, backend,
-    layout)`; None for "none" (no context parallelism)."""
+    layout, cu_seqlens)` (every op takes document boundaries, `upipe.attention.documents`);
+    None for "none" (no context parallelism: the model's own attention, which takes
+    `cu_seqlens` too)."""
     group: bool
     """Takes a 1-D `group=` (C ranks)."""
     mesh: bool

@@ -38,11 +38,13 @@ import torch.distributed as dist
 
 from upipe import loops
 from upipe.attention.common import (
+    DocumentsArg,
     check_layout,
     save_for_backward,
     saved_for_backward,
     validate_qkv,
 )
+from upipe.attention.documents import block_calls, layout_segments
 from upipe.comm import ring_send_recv
 from upipe.kernels import acc_dtype, attention_backward, attention_forward
 
@@ -63,9 +65,25 @@ def _block(layout, causal, rank, src, L):
     return slice(L // 2, L), full, False
 
 
-def _blocks(layout, causal, L):
-    """`_block` as a function of (rank, source rank), for `loops.ring_steps`."""
-    return lambda rank, src: _block(layout, causal, rank, src, L)
+def _blocks(layout, causal, L, C, docs):
+    """What each step computes as a function of (rank, source rank), for `loops.ring_steps`:
+    without documents `_block`; with document boundaries `docs` the list of kernel calls
+    (query slice, key slice, causal) that `documents.block_calls` makes, or None if none."""
+    if docs is None:
+        return lambda rank, src: _block(layout, causal, rank, src, L)
+
+    def block(rank, src):
+        q_segs, k_segs = (layout_segments(layout, C, i, L) for i in (rank, src))
+        return block_calls(docs, q_segs, k_segs, causal) or None
+
+    return block
+
+
+def _calls(block, docs):
+    """The kernel calls of a step's block (see `_blocks`)."""
+    if block is None:
+        return ()
+    return block if docs is not None else (block,)
 
 
 def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
@@ -77,15 +95,18 @@ def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
     lse_BHL.copy_(new_BHL)
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout):
+def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs=None):
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
     acc = acc_dtype(q_BLHd.dtype)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     out_BLHd = lse_BHL = None
-    for _, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L)):
+    if docs is not None:  # rows no call covers yet: out 0, lse -inf (no contribution)
+        B, _, H, d = q_BLHd.shape
+        out_BLHd = torch.zeros(B, L, H, d, dtype=acc, device=q_BLHd.device)
+        lse_BHL = torch.full((B, H, L), float("-inf"), dtype=acc, device=q_BLHd.device)
+    for _, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L, C, docs)):
         pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
-        if block is not None:
-            qs, ks, block_causal = block
+        for qs, ks, block_causal in _calls(block, docs):
             part_BLHd, part_lse_BHL = attention_forward(
                 q_BLHd[:, qs],
                 kv_2BLGd[0][:, ks],
@@ -105,17 +126,17 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout):
     return out_BLHd.to(q_BLHd.dtype), lse_BHL
 
 
-def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args):
+def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=None):
     group, causal, scale, backend, layout = args
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
     acc = acc_dtype(q_BLHd.dtype)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     dq_BLHd = torch.zeros(q_BLHd.shape, dtype=acc, device=q_BLHd.device)
     dkv_2BLGd = dkv_pending = None
-    for first, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L)):
+    for first, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L, C, docs)):
         kv_pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
-        if block is not None:
-            qs, ks, block_causal = block
+        pieces = []  # (key slice, dk, dv) of the step's calls, added once the sum arrives
+        for qs, ks, block_causal in _calls(block, docs):
             dq, dk, dv = attention_backward(
                 dout_BLHd[:, qs],
                 q_BLHd[:, qs],
@@ -128,15 +149,21 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args):
                 backend=backend,
             )
             dq_BLHd[:, qs] += dq
-            del dq
-        if first:  # the local block (always computed, all keys): start its accumulator
+            pieces.append((ks, dk, dv))
+            del dq, dk, dv
+        if first and docs is None:  # the local block (one call, all keys): the accumulator
+            (_, dk, dv), pieces = pieces[0], []
             dkv_2BLGd = torch.stack((dk, dv)).to(acc)
+            del dk, dv
+        elif first:  # with documents the local block's calls may leave keys out
+            dkv_2BLGd = torch.zeros((2, *k_BLGd.shape), dtype=acc, device=k_BLGd.device)
         else:  # the accumulator of this step's block, with the previous ranks' shares
             dkv_2BLGd = dkv_pending.wait()
-            if block is not None:
-                dkv_2BLGd[0][:, ks] += dk
-                dkv_2BLGd[1][:, ks] += dv
-        dk = dv = None
+        while pieces:
+            ks, dk, dv = pieces.pop()
+            dkv_2BLGd[0][:, ks] += dk
+            dkv_2BLGd[1][:, ks] += dv
+            del dk, dv
         if C > 1:  # pass it on; after the last step it reaches its owner
             dkv_pending = ring_send_recv(dkv_2BLGd, group, tag=_DKV_TAG)
             dkv_2BLGd = None
@@ -150,22 +177,31 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, layout):
-        out, lse = _forward(q, k, v, group, causal, scale, backend, layout)
+    def forward(ctx, q, k, v, group, causal, scale, backend, layout, docs):
+        out, lse = _forward(q, k, v, group, causal, scale, backend, layout, docs)
         save_for_backward(ctx, keep=(q, k, v, out), free=(lse,))
-        ctx.args = (group, causal, scale, backend, layout)
+        ctx.args, ctx.docs = (group, causal, scale, backend, layout), docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         keep, free = saved_for_backward(ctx)
-        grads = _backward(dout.contiguous(), *keep, *free, *ctx.args)
-        return (*grads, None, None, None, None, None)
+        grads = _backward(dout.contiguous(), *keep, *free, *ctx.args, docs=ctx.docs)
+        return (*grads, None, None, None, None, None, None)
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
 def ring_attention(
-    q, k, v, *, group, causal=True, softmax_scale=None, backend=None, layout="zigzag"
+    q,
+    k,
+    v,
+    *,
+    group,
+    causal=True,
+    softmax_scale=None,
+    backend=None,
+    layout="zigzag",
+    cu_seqlens=None,
 ):
     """Attention over a sequence sharded across `group` in `layout`, by ring exchange of K/V.
 
@@ -175,7 +211,11 @@ def ring_attention(
     layout=layout)`. Returns `[B, L, H, d]`, the rank's rows of full attention over all
     C*L tokens; differentiable w.r.t. q, k, v. Any H and G with G dividing H (query head h
     uses kv head h // (H / G)). `backend` selects the local kernel (see `upipe.kernels`).
+    `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
+    tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
+    a token attends only to tokens of its own document (documents.py); None: one document.
     """
+    docs = DocumentsArg(cu_seqlens)
     validate_qkv(
         q,
         k,
@@ -186,7 +226,8 @@ def ring_attention(
         backend=backend,
         replicate_kv=True,
         split_heads=False,  # heads stay whole on every rank
-        extra=lambda C: check_layout(layout, q.shape[1], C),
-        extra_signature={"layout": layout},
+        extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
+        extra_signature={"layout": layout, **docs.signature()},
     )
-    return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, layout)
+    args = (group, causal, softmax_scale, backend, layout, docs.bounds)
+    return _RingAttention.apply(q, k, v, *args)

@@ -9,6 +9,9 @@ q_BPud, k_BPkd, v_BPkd:
     backward(dout, q, k, v, out, lse) -> (dq, dk, dv)         (from the saved out and lse)
 Without a ring group it is the local kernel (`upipe.kernels`); with one, ring attention
 over it (ring.py's `_forward`/`_backward`, the P tokens in `layout` across the ring).
+With document boundaries `docs` (global, validated: `upipe.comm.check_cu_seqlens`) the
+local kernel runs once per document (`documents.local_forward`; the P tokens are the whole
+sequence in order) and the ring per block as `documents.block_calls` says.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from upipe.attention import ring
+from upipe.attention import documents, ring
 from upipe.kernels import attention_backward, attention_forward
 
 
@@ -34,17 +37,23 @@ class StageAttention:
     """the ring (None: local attention over the P tokens)"""
     layout: str = "zigzag"
     """how the P tokens of the ring ranks interleave (`upipe.comm.LAYOUTS`)"""
+    docs: tuple[int, ...] | None = None
+    """document boundaries in the full sequence (None: one document)"""
 
     def forward(self, q, k, v):
         if self.ring_group is None:
             kw = dict(causal=self.causal, softmax_scale=self.scale, backend=self.backend)
+            if self.docs is not None:
+                return documents.local_forward(q, k, v, self.docs, **kw)
             return attention_forward(q, k, v, **kw)
         args = (self.ring_group, self.causal, self.scale, self.backend, self.layout)
-        return ring._forward(q, k, v, *args)
+        return ring._forward(q, k, v, *args, docs=self.docs)
 
     def backward(self, dout, q, k, v, out, lse):
         if self.ring_group is None:
             kw = dict(causal=self.causal, softmax_scale=self.scale, backend=self.backend)
+            if self.docs is not None:
+                return documents.local_backward(dout, q, k, v, out, lse, self.docs, **kw)
             return attention_backward(dout, q, k, v, out, lse, **kw)
         args = (self.ring_group, self.causal, self.scale, self.backend, self.layout)
-        return ring._backward(dout, q, k, v, out, lse, *args)
+        return ring._backward(dout, q, k, v, out, lse, *args, docs=self.docs)

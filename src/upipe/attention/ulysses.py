@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from upipe.attention.common import (
+    DocumentsArg,
     check_layout,
     save_for_backward,
     saved_for_backward,
@@ -66,7 +67,16 @@ class UlyssesFunction(torch.autograd.Function):
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
 def ulysses_attention(
-    q, k, v, *, group, causal=True, softmax_scale=None, backend=None, layout="contiguous"
+    q,
+    k,
+    v,
+    *,
+    group,
+    causal=True,
+    softmax_scale=None,
+    backend=None,
+    layout="contiguous",
+    cu_seqlens=None,
 ):
     """Attention over a sequence sharded across `group`.
 
@@ -77,7 +87,12 @@ def ulysses_attention(
     w.r.t. q, k, v. Needs H and G divisible by the group size C (and G dividing H; query
     head h uses kv head h // (H / G)). `backend` selects the local kernel (see
     `upipe.kernels`); the default follows the device.
+    `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
+    tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
+    a token attends only to tokens of its own document (`upipe.attention.documents`); None:
+    one document (plain attention, unchanged).
     """
+    docs = DocumentsArg(cu_seqlens)
     validate_qkv(
         q,
         k,
@@ -87,8 +102,9 @@ def ulysses_attention(
         softmax_scale=softmax_scale,
         backend=backend,
         replicate_kv=False,
-        extra=lambda C: check_layout(layout, q.shape[1], C),
-        extra_signature={"layout": layout},
+        extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
+        extra_signature={"layout": layout, **docs.signature()},
     )
-    ex, attn = HeadExchange(group, layout), StageAttention(causal, softmax_scale, backend)
+    ex = HeadExchange(group, layout)
+    attn = StageAttention(causal, softmax_scale, backend, docs=docs.bounds)
     return UlyssesFunction.apply(q, k, v, ex, attn)

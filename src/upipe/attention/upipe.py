@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from upipe.attention.common import (
+    DocumentsArg,
     check_layout,
     check_ring_layout,
     resolve_groups,
@@ -156,6 +157,7 @@ def upipe_attention(
     softmax_scale=None,
     backend=None,
     layout=None,
+    cu_seqlens=None,
 ):
     """Ulysses attention in stages of `heads_per_stage` heads; same contract and result.
 
@@ -169,8 +171,13 @@ def upipe_attention(
     `heads_per_stage` (U) defaults to C (one head per rank per stage); any multiple of C that
     divides H and fits the GQA schedule (see `upipe.attention.schedule`); U = H is plain
     Ulysses. G may be smaller than C (kv heads are replicated) if it divides C.
+    `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
+    tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
+    a token attends only to tokens of its own document (`upipe.attention.documents`); None:
+    one document (plain attention, unchanged).
     """
     ulysses, ring_group, R, agree = resolve_groups(group, mesh)
+    docs = DocumentsArg(cu_seqlens)
 
     def extra(C):
         check_heads_per_stage(q.shape[2], k.shape[2], C, heads_per_stage)
@@ -178,6 +185,7 @@ def upipe_attention(
             check_layout(layout or "contiguous", q.shape[1], C)
         else:
             check_ring_layout(layout or "zigzag", C * q.shape[1], R, C)
+        docs.check(R * C * q.shape[1])
 
     validate_qkv(
         q,
@@ -189,7 +197,7 @@ def upipe_attention(
         backend=backend,
         replicate_kv=True,
         extra=extra,
-        extra_signature={"heads_per_stage": heads_per_stage, "layout": layout},
+        extra_signature={"heads_per_stage": heads_per_stage, "layout": layout, **docs.signature()},
         agree=agree,
     )
     H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(ulysses)
@@ -197,7 +205,9 @@ def upipe_attention(
     rounds = plan_rounds(H, G, C, U)
     kernel = (causal, softmax_scale, backend)
     if mesh is None:  # the layout is the all-to-all's
-        ex, attn = HeadExchange(ulysses, layout or "contiguous"), StageAttention(*kernel)
+        ex = HeadExchange(ulysses, layout or "contiguous")
+        attn = StageAttention(*kernel, docs=docs.bounds)
     else:  # the layout is the ring's; each ulysses group splits its part contiguously
-        ex, attn = HeadExchange(ulysses), StageAttention(*kernel, ring_group, layout or "zigzag")
+        ex = HeadExchange(ulysses)
+        attn = StageAttention(*kernel, ring_group, layout or "zigzag", docs=docs.bounds)
     return _UPipeAttention.apply(q, k, v, rounds, ex, attn)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from upipe.attention.common import check_ring_layout, resolve_groups, validate_qkv
+from upipe.attention.common import DocumentsArg, check_ring_layout, resolve_groups, validate_qkv
 from upipe.attention.stage import StageAttention
 from upipe.attention.ulysses import UlyssesFunction
 from upipe.comm import HeadExchange
@@ -32,7 +32,18 @@ from upipe.mesh import check_mesh
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
-def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=None, layout="zigzag"):
+def usp_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    causal=True,
+    softmax_scale=None,
+    backend=None,
+    layout="zigzag",
+    cu_seqlens=None,
+):
     """Attention over a sequence sharded across a 2-D mesh: Ulysses x ring.
 
     q `[B, L, H, d]`, k/v `[B, L, G, d]`: this rank's tokens in the mesh layout
@@ -42,9 +53,19 @@ def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=Non
     w.r.t. q, k, v. Needs H and G divisible by the ulysses size C (query head h uses kv head
     h // (H / G)); with layout="zigzag" and R > 1, C*L must be even. `backend` selects the
     local kernel (see `upipe.kernels`).
+    `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
+    tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
+    a token attends only to tokens of its own document (`upipe.attention.documents`); None:
+    one document (plain attention, unchanged).
     """
     check_mesh(mesh)
     ulysses, ring_group, R, agree = resolve_groups(None, mesh)
+    docs = DocumentsArg(cu_seqlens)
+
+    def extra(C):
+        check_ring_layout(layout, C * q.shape[1], R, C)
+        docs.check(R * C * q.shape[1])
+
     validate_qkv(
         q,
         k,
@@ -54,9 +75,9 @@ def usp_attention(q, k, v, *, mesh, causal=True, softmax_scale=None, backend=Non
         softmax_scale=softmax_scale,
         backend=backend,
         replicate_kv=False,
-        extra=lambda C: check_ring_layout(layout, C * q.shape[1], R, C),
-        extra_signature={"layout": layout},
+        extra=extra,
+        extra_signature={"layout": layout, **docs.signature()},
         agree=agree,
     )
-    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout)
+    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout, docs=docs.bounds)
     return UlyssesFunction.apply(q, k, v, HeadExchange(ulysses), attn)

@@ -17,10 +17,13 @@ Memory features (settable attributes, off by default, none changes the math):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from upipe.comm import check_cu_seqlens
 from upipe.loss import cross_entropy_sum
 from upipe.model.config import ModelConfig
 from upipe.model.features import checkpoint, tiled_recompute
@@ -44,7 +47,12 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BLD: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BLD: torch.Tensor, position_ids_BL: torch.Tensor, cu_seqlens=None
+    ) -> torch.Tensor:
+        """`cu_seqlens`: document boundaries `[0, e_1, ..., L]` (1-D integer tensor or ints,
+        shared by the batch rows): causal attention within each document only, one kernel
+        call per document on its rows (no L x L mask). None: one document."""
         B, L, _ = x_BLD.shape
         d = self.head_dim
         cos, sin = rope_cos_sin(position_ids_BL, d, theta=self.rope_theta, dtype=x_BLD.dtype)
@@ -54,9 +62,15 @@ class Attention(nn.Module):
             q_BLHd, k_BLGd = self.q_norm(q_BLHd), self.k_norm(k_BLGd)
         q_BLHd, k_BLGd = apply_rope(q_BLHd, cos, sin), apply_rope(k_BLGd, cos, sin)
         v_BLGd = self.v_proj(x_BLD).view(B, L, -1, d)
-        out_BHLd = F.scaled_dot_product_attention(
-            *(t.transpose(1, 2) for t in (q_BLHd, k_BLGd, v_BLGd)), is_causal=True, enable_gqa=True
-        )
+        q_BHLd, k_BGLd, v_BGLd = (t.transpose(1, 2) for t in (q_BLHd, k_BLGd, v_BLGd))
+        bounds = (0, L) if cu_seqlens is None else check_cu_seqlens(cu_seqlens, L)
+        parts = [  # one causal call per document: its rows and keys only
+            F.scaled_dot_product_attention(
+                *(t[:, :, a:b] for t in (q_BHLd, k_BGLd, v_BGLd)), is_causal=True, enable_gqa=True
+            )
+            for a, b in itertools.pairwise(bounds)
+        ]
+        out_BHLd = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.o_proj(out_BHLd.transpose(1, 2).flatten(2))
 
 
@@ -90,8 +104,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x_BLD: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
-        h_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), position_ids_BL)
+    def forward(
+        self, x_BLD: torch.Tensor, position_ids_BL: torch.Tensor, cu_seqlens=None
+    ) -> torch.Tensor:
+        # cu_seqlens only when given: an attention module swapped in needs not know it
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        h_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), position_ids_BL, **kw)
         return h_BLD + self.mlp(self.post_attention_layernorm(h_BLD))
 
 
@@ -141,17 +159,26 @@ class CausalLM(nn.Module):
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             p.copy_(full)
 
-    def hidden(self, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor) -> torch.Tensor:
+    def hidden(
+        self, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor, *, cu_seqlens=None
+    ) -> torch.Tensor:
+        if isinstance(cu_seqlens, torch.Tensor):  # read once here, not once per layer
+            cu_seqlens = tuple(cu_seqlens.tolist()) if cu_seqlens.dim() == 1 else cu_seqlens
         h_BLD = self.model.embed_tokens(input_ids_BL)
         for i, block in enumerate(self.model.layers):
+            args = (h_BLD, position_ids_BL, cu_seqlens)
             if self.checkpoint_blocks:
-                h_BLD = checkpoint(block, h_BLD, position_ids_BL, offload=self.offload, index=i)
+                h_BLD = checkpoint(block, *args, offload=self.offload, index=i)
             else:
-                h_BLD = block(h_BLD, position_ids_BL)
+                h_BLD = block(*args)
         return self.model.norm(h_BLD)
 
-    def forward(self, input_ids_BL, position_ids_BL, labels_BL=None):
-        h_BLD = self.hidden(input_ids_BL, position_ids_BL)
+    def forward(self, input_ids_BL, position_ids_BL, labels_BL=None, *, cu_seqlens=None):
+        """`cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full (unsharded)
+        sequence, the same for every batch row: attention stays within each document (pass
+        position ids restarting per document, `upipe.comm.document_positions`). A CUDA
+        tensor is read to the host once per call (one sync); a CPU tensor or ints: none."""
+        h_BLD = self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens)
         if labels_BL is None:
             return self.lm_head(h_BLD)
         return cross_entropy_sum(

@@ -1,0 +1,112 @@
+"""Document masking for packed sequences: which kernel calls a block of attention makes.
+
+Legend: B batch, S full sequence, P tokens a stage attends over (S, or a ring rank's part
+on a mesh), L tokens of a ring block, u query heads, k kv heads, d head dim, C ring size.
+
+A packed sequence holds documents e_j .. e_{j+1}-1 (`bounds` = (0, e_1, ..., S), validated
+by `upipe.comm.check_cu_seqlens`, no empty document). Query i sees key t iff both lie in
+the same document and, when causal, t <= i. Nothing builds that S x S mask: every kernel
+call covers one document's rows of a query range against the same document's rows of a key
+range, so the calls together are exactly the mask and memory stays O(L).
+
+Ranges come in *segments*: runs of tokens contiguous in the global sequence, placed at a
+local offset. After the Ulysses exchange the P tokens are one segment (the all-to-all puts
+zigzag chunks back in order); a ring rank's tokens are one segment ("contiguous") or two
+("zigzag": chunks r and 2C-1-r). Two segments of the same layout are equal or disjoint, so
+for a document d, a query segment Q and a key segment K (causal):
+    Q == K:               rows Q∩d vs keys K∩d, a same-length diagonal block (causal call);
+    K entirely before Q:  rows Q∩d vs keys K∩d, all visible (non-causal call);
+    K entirely after Q:   nothing.
+A query row that no call of a ring block covers (its document does not reach the keys)
+keeps out = 0, lse = -inf in the block, which the ring's lse merge treats as no
+contribution; the local block covers every row (each token sees itself), so the final lse
+is finite.
+
+Kernel calls are the existing `upipe.kernels` ones on sub-ranges (any backend: on CUDA the
+dense flash/efficient kernels per document). Their number is the number of (document,
+segment pair) intersections: about (documents + segments) per block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from upipe.kernels import acc_dtype, attention_backward, attention_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """`length` tokens at global positions start .. start+length-1, local offset `at`."""
+
+    at: int
+    start: int
+    length: int
+
+
+def layout_segments(layout: str, C: int, r: int, L: int) -> tuple[Segment, ...]:
+    """The segments of rank r of C holding L tokens in `layout` (`upipe.comm`)."""
+    if layout == "contiguous":
+        return (Segment(0, r * L, L),)
+    c = L // 2
+    return (Segment(0, r * c, c), Segment(c, (2 * C - 1 - r) * c, c))
+
+
+def block_calls(bounds, q_segs, k_segs, causal: bool) -> list[tuple[slice, slice, bool]]:
+    """The kernel calls (query slice, key slice, causal) of attention from the tokens of
+    `q_segs` to those of `k_segs` under the document mask (module doc); [] if none."""
+    calls = []
+    for qs in q_segs:
+        for ks in k_segs:
+            same = qs.start == ks.start
+            if causal and not same and ks.start > qs.start:
+                continue  # keys entirely in the future
+            lo, hi = max(qs.start, ks.start), min(qs.start + qs.length, ks.start + ks.length)
+            for a, b in itertools.pairwise(bounds):
+                q0, q1 = max(a, qs.start), min(b, qs.start + qs.length)
+                k0, k1 = max(a, ks.start), min(b, ks.start + ks.length)
+                if q0 >= q1 or k0 >= k1:
+                    continue
+                assert same or lo >= hi, "segments must be equal or disjoint"
+                q_sl = slice(q0 - qs.start + qs.at, q1 - qs.start + qs.at)
+                k_sl = slice(k0 - ks.start + ks.at, k1 - ks.start + ks.at)
+                calls.append((q_sl, k_sl, causal and same))
+    return calls
+
+
+def local_forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale, backend):
+    """(out_BPud, lse_BuP) of attention over P tokens in sequence order, document-masked:
+    one kernel call per document (each row lies in exactly one, so no merge)."""
+    B, P, u, _ = q_BPud.shape
+    out_BPud = torch.empty_like(q_BPud)
+    lse_BuP = torch.empty(B, u, P, dtype=acc_dtype(q_BPud.dtype), device=q_BPud.device)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    for a, b in itertools.pairwise(bounds):
+        o, lse = attention_forward(q_BPud[:, a:b], k_BPkd[:, a:b], v_BPkd[:, a:b], **kw)
+        out_BPud[:, a:b] = o
+        lse_BuP[:, :, a:b] = lse
+        del o, lse
+    return out_BPud, lse_BuP
+
+
+def local_backward(dout, q, k, v, out, lse, bounds, *, causal, softmax_scale, backend):
+    """(dq, dk, dv) of `local_forward` from its saved out and lse, per document."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    for a, b in itertools.pairwise(bounds):
+        rows = slice(a, b)
+        grads = attention_backward(
+            dout[:, rows],
+            q[:, rows],
+            k[:, rows],
+            v[:, rows],
+            out[:, rows],
+            lse[:, :, rows].contiguous(),
+            **kw,
+        )
+        for acc, g in zip((dq, dk, dv), grads, strict=True):
+            acc[:, rows] = g
+        del grads
+    return dq, dk, dv
