@@ -32,7 +32,9 @@ def train_steps(rank, world_size, cfg: TrainConfig, memory: bool = False):
             continue
         losses.append(trainer.forward_backward(step))
         if step == 0:
-            grads = {n: _full(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}
+            grads = {
+                n: _full(p.grad).detach().clone() for n, p in trainer.master.named_parameters()
+            }
         trainer.optimizer_step()
     if memory:
         all_peaks = [None] * world_size
@@ -57,5 +59,5 @@ def build_memory(rank, world_size, cfg: TrainConfig):
     params = list(trainer.model.parameters())
     full = sum(_full(p).nbytes for p in params)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params)
-    weights = {n: _full(p).detach() for n, p in trainer.model.named_parameters()}
+    weights = {n: _full(p).detach() for n, p in trainer.master.named_parameters()}
     return mem.peak_bytes, full, local, weights

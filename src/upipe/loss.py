@@ -96,7 +96,20 @@ def count_valid(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch
     return (labels != ignore_index).sum().float()
 
 
-def global_token_mean(loss_sum: torch.Tensor, num_valid: torch.Tensor, group=None) -> torch.Tensor:
+def global_count(num_valid: torch.Tensor, group=None) -> torch.Tensor:
+    """`num_valid` summed over the ranks of `group` (fp32 scalar, the same on every rank);
+    ValueError if it is 0 (every label ignored)."""
+    count = num_valid.detach().float().clone()
+    if group is not None or dist.is_initialized():
+        dist.all_reduce(count, group=group)
+    if count.item() == 0:
+        raise ValueError("no valid tokens in the batch on any rank (every label is ignored)")
+    return count
+
+
+def global_token_mean(
+    loss_sum: torch.Tensor, num_valid: torch.Tensor, group=None, *, total_count=None
+) -> torch.Tensor:
     """The loss averaged over every valid token of all ranks in `group`.
 
     Returns the same value on every rank: sum_r loss_sum_r / sum_r num_valid_r. Its gradient
@@ -104,11 +117,15 @@ def global_token_mean(loss_sum: torch.Tensor, num_valid: torch.Tensor, group=Non
     gradients over the ranks (what context parallelism and FSDP with a sum reduction do)
     gives exactly the gradient of the global mean. Padding (ignored labels) is handled by
     the counts; a rank holding only padding contributes 0 to both sums.
+
+    `total_count`: divide by this global count instead (`global_count` of the valid tokens
+    of all the micro-batches of an optimizer step): each micro-batch then returns its share
+    of the step's mean, and the shares and their gradients add up to the mean over every
+    token of every micro-batch -- gradient accumulation equals one big batch.
     """
-    sums = torch.stack([loss_sum.detach().float(), num_valid.detach().float()])
+    if total_count is None:
+        total_count = global_count(num_valid, group)
+    total = loss_sum.detach().float().clone()
     if group is not None or dist.is_initialized():
-        dist.all_reduce(sums, group=group)
-    total, count = sums.unbind()
-    if count.item() == 0:
-        raise ValueError("no valid tokens in the batch on any rank (every label is ignored)")
-    return (loss_sum.float() + (total - loss_sum.detach().float())) / count
+        dist.all_reduce(total, group=group)
+    return (loss_sum.float() + (total - loss_sum.detach().float())) / total_count

@@ -3,6 +3,7 @@ search itself is `upipe.planner.plan.plan`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from tqdm import tqdm
@@ -26,6 +27,8 @@ def _handle(ns, parser) -> int:
     pc = config_from_args(planner.PlanConfig, ns)
     if pc.gpus < 1 or pc.granularity < 1 or pc.gpu_memory_gib <= 0:
         parser.error("--gpus, --granularity and --gpu-memory-gib must be positive")
+    if pc.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install 'upipe[train]' (or matplotlib)")
     bar = tqdm(desc="plan", unit="step" if pc.jobs == 1 else "candidate")
 
     def progress(label, S, peak):

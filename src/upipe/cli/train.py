@@ -10,8 +10,10 @@ LOCAL_RANK); the training itself is `upipe.train.train`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,15 @@ from upipe.cli.options import add_dataclass_options, config_from_args
 from upipe.launch import LocalCluster
 from upipe.model import get_config
 from upipe.train.data import corpus_files
-from upipe.train.loop import TrainConfig, summary, train, validate
+from upipe.train.loop import (
+    TrainConfig,
+    have_matplotlib,
+    have_tensorboard,
+    padded_length,
+    summary,
+    train,
+    validate,
+)
 
 
 def add_command(sub) -> None:
@@ -57,8 +67,20 @@ def _handle(ns, parser) -> int:
             corpus_files(cfg.data)
         except ValueError as e:
             problem = str(e)
+    if problem is None and cfg.tensorboard and not have_tensorboard():
+        problem = (
+            "--tensorboard needs the tensorboard package: pip install 'upipe[train]' "
+            "(or pip install tensorboard)"
+        )
     if problem:
         parser.error(problem)
+    if cfg.plot and not have_matplotlib():
+        print(
+            f"note: no loss plot ({cfg.plot}): matplotlib is not installed "
+            "(pip install 'upipe[train]'; --plot '' silences this)",
+            file=sys.stderr,
+        )
+        cfg = dataclasses.replace(cfg, plot=None)
     return run(cfg)
 
 
@@ -82,12 +104,25 @@ def run(cfg: TrainConfig) -> int:
             f"{cfg.seq_len} tokens per sequence, memory features: {features or 'none'}",
             flush=True,
         )
+        padded = padded_length(cfg, cfg.nproc)
+        precision = f"{cfg.dtype} compute"
+        if cfg.master_dtype != cfg.dtype:
+            precision += f", {cfg.master_dtype} master weights, gradients and AdamW states"
+        print(
+            f"precision: {precision}; lr {cfg.lr:g} (warmup {cfg.warmup_steps} steps, cosine "
+            f"to {cfg.min_lr_ratio:g}x); {cfg.grad_accum} micro-batch(es) per step"
+            + (
+                f"; sequences padded to {padded} (the tail ignored)" if padded > cfg.seq_len else ""
+            ),
+            flush=True,
+        )
         with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=1800) as cluster:
             history = cluster.run(_spawned_rank, cfg)[0]
     print(summary(history))
     for what, path in (
         ("metrics", cfg.metrics_file),
         ("loss plot", cfg.plot),
+        ("tensorboard", cfg.tensorboard),
         ("checkpoints", cfg.checkpoint_dir),
     ):
         if path:

@@ -72,7 +72,13 @@ class PlanConfig:
     dtype: str = dataclasses.field(
         default="bfloat16", metadata={"choices": ("bfloat16", "float32")}
     )
-    """Parameter and activation dtype."""
+    """Compute dtype (the weights forward and backward use, and the activations)."""
+    master_dtype: str = dataclasses.field(
+        default="float32", metadata={"choices": ("float32", "bfloat16")}
+    )
+    """Dtype of the master weights, their gradients and the AdamW states (as `upipe train
+    --master-dtype`): float32 is mixed precision with a bf16 --dtype; bfloat16 keeps
+    everything in bf16 (what the planner assumed before 2026-11-30)."""
     extrapolate: bool = True
     """Simulate 3 and 4 blocks and extrapolate linearly to the model's depth (exact in every
     configuration checked, about 5x faster); --no-extrapolate simulates every block."""
@@ -160,6 +166,7 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
         for mult in stages:
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
+                kw["master_dtype"] = pc.master_dtype
                 kw["batch_size"] = pc.batch_size
                 kw["model"], kw["seq_len"] = pc.model, _step(pc)
                 label = strategy
@@ -200,6 +207,8 @@ def plan(pc: PlanConfig, progress=None) -> dict:
         raise ValueError(f"--reserve-gib {pc.reserve_gib} leaves nothing of {pc.gpu_memory_gib}")
     if pc.host_memory_gib is not None and pc.host_memory_gib <= 0:
         raise ValueError(f"--host-memory-gib must be positive, got {pc.host_memory_gib}")
+    if pc.master_dtype == "bfloat16" and pc.dtype == "float32":
+        raise ValueError("--master-dtype bfloat16 is less precise than --dtype float32")
     if pc.jobs < 1 or pc.batch_size < 1:
         raise ValueError(f"--jobs and --batch-size must be >= 1, got {pc.jobs}, {pc.batch_size}")
     out = {"config": dataclasses.asdict(pc), "budget_bytes": budget, "strategies": []}

@@ -361,10 +361,11 @@ class StepSimulator:
         )
 
 
-def _synthetic_batch(trainer, step: int):
-    """(input_ids, labels, position_ids) `[B, L]` of `trainer.cfg.seq_len`, as on a device."""
+def _synthetic_batch(trainer, index: int):
+    """(input_ids, labels, position_ids) `[B, L]` of `trainer.cfg.seq_len` (padded as the
+    trainer pads it), as on a device."""
     B, S = trainer.cfg.batch_size, trainer.cfg.seq_len
-    pos_L = trainer.cp.positions(S)
+    pos_L = trainer.cp.positions(S + (-S) % trainer.cp_multiple)
     ids = torch.zeros(B, pos_L.numel(), dtype=torch.int64)
     return ids, torch.zeros_like(ids), pos_L.expand(B, -1).contiguous()
 

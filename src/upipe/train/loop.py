@@ -10,10 +10,13 @@ resumed from a checkpoint continues the same curve.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -21,12 +24,13 @@ import torch.distributed as dist
 
 from upipe.attention.registry import CLI_WORDS, STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage
-from upipe.loss import count_valid, global_token_mean
+from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mean
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
 from upipe.model import PRESETS, CausalLM, ModelConfig, get_config
 from upipe.train.data import VOCAB_SIZE, PackedTokens
 from upipe.train.parallelize import (
+    MasterWeights,
     MemoryFeatures,
     allreduce_gradients,
     apply_fsdp,
@@ -58,7 +62,15 @@ class TrainConfig:
     steps: int = 20
     """Optimizer steps (the total, counting steps done before a resume)."""
     lr: float = 3e-3
-    """AdamW learning rate (constant)."""
+    """Peak AdamW learning rate (reached after --warmup-steps, then decayed along a cosine)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from lr / (warmup + 1) to --lr."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays the learning rate to this fraction of --lr at the last step (1:
+    constant after warmup)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (each of --batch-size sequences per data-parallel
+    rank); the loss is the mean over every token of all of them, as for one big batch."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""
     heads_per_stage: int | None = None
@@ -69,7 +81,11 @@ class TrainConfig:
     """Text/JSON-lines files or directories, comma-separated (default: the Python standard
     library's sources)."""
     dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
-    """Parameter and activation dtype."""
+    """Compute dtype: the weights forward and backward use, and the activations."""
+    master_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
+    """Dtype of the weights the optimizer updates (the masters), of their gradients (as
+    accumulated and reduced) and of the AdamW states. float32 with --dtype bfloat16 is mixed
+    precision (bf16 compute copy); bfloat16 keeps everything in bf16."""
     tiled_mlp: bool = False
     """Run the MLP in sequence tiles, recomputed in backward."""
     mlp_tile: int = 1024
@@ -87,7 +103,16 @@ class TrainConfig:
     device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
     """Device of each rank (cuda: one GPU per process, NCCL; launch with torchrun)."""
     metrics_file: str | None = None
-    """Append one JSON line per step (step, loss, tokens_per_s, peak_memory_bytes, ...)."""
+    """Append one JSON line per step (step, loss, lr, tokens_per_s, peak_memory_bytes, ...,
+    eval_loss when evaluated)."""
+    tensorboard: str | None = None
+    """Also write the metrics as TensorBoard scalars to this directory (needs the
+    tensorboard package: pip install 'upipe[train]')."""
+    eval_every: int = 0
+    """Evaluate the loss on held-out batches every this many steps and at the end (0: off)."""
+    eval_batches: int = 4
+    """Batches per evaluation (each of --batch-size sequences per data-parallel rank), taken
+    from the token stream after the last training batch."""
     checkpoint_dir: str | None = None
     """Save model + optimizer here (torch distributed checkpoint) at the end and every
     --checkpoint-every steps."""
@@ -96,7 +121,8 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest checkpoint in --checkpoint-dir."""
     plot: str | None = "train_loss.png"
-    """Write the loss curve here (PNG); '' for none."""
+    """Write the loss curve here (PNG; needs matplotlib, else skipped with a warning); ''
+    for none."""
 
     def degrees(self, world: int) -> tuple[int, int, int]:
         """(dp, ring, ulysses) for `world` processes."""
@@ -119,11 +145,19 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
     """The first problem with `cfg` on `world` processes, as a message naming the fix
     (`model`: the model's shapes, if not those of the preset `cfg.model`)."""
     m = model or get_config(cfg.model)
-    for name in ("nproc", "seq_len", "batch_size", "steps", "mlp_tile", "loss_chunk"):
+    positive = ("nproc", "seq_len", "batch_size", "steps", "mlp_tile", "loss_chunk")
+    for name in (*positive, "grad_accum", "eval_batches"):
         if getattr(cfg, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
-    if cfg.checkpoint_every < 0 or cfg.lr <= 0 or cfg.grad_clip < 0:
-        return "--checkpoint-every and --grad-clip must be >= 0 and --lr > 0"
+    if min(cfg.checkpoint_every, cfg.warmup_steps, cfg.eval_every, cfg.grad_clip) < 0:
+        return "--checkpoint-every, --warmup-steps, --eval-every and --grad-clip must be >= 0"
+    if cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
+        return f"--lr must be > 0 and --min-lr-ratio in [0, 1], got {cfg.lr}, {cfg.min_lr_ratio}"
+    if DTYPES[cfg.master_dtype].itemsize < DTYPES[cfg.dtype].itemsize:
+        return (
+            f"--master-dtype {cfg.master_dtype} is less precise than the compute --dtype "
+            f"{cfg.dtype}: use --master-dtype {cfg.dtype}"
+        )
     dp, ring, uly = cfg.degrees(world)
     if world % dp:
         return f"--dp {dp} must divide the number of processes ({world})"
@@ -161,12 +195,6 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
             return f"--heads-per-stage: {e}"
     elif cfg.heads_per_stage is not None:
         return "--heads-per-stage applies to --strategy upipe only"
-    multiple = cp * (2 if spec.layout == "zigzag" or ring > 1 else 1)
-    if cfg.seq_len % multiple:
-        return (
-            f"--seq-len {cfg.seq_len} must be a multiple of {multiple} for {cfg.strategy} on "
-            f"{cp} context-parallel ranks; try {cfg.seq_len + (-cfg.seq_len) % multiple}"
-        )
     if cfg.offload and not cfg.checkpoint:
         return "--offload keeps the checkpointed block inputs on the host; add --checkpoint"
     if cfg.resume and not cfg.checkpoint_dir:
@@ -174,6 +202,36 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
     if m.vocab_size >= VOCAB_SIZE:
         return None
     return f"{cfg.model} has a vocabulary of {m.vocab_size} < {VOCAB_SIZE} byte tokens"
+
+
+def padded_length(cfg: TrainConfig, world: int) -> int:
+    """The length a sequence of `cfg.seq_len` tokens is padded to: the next multiple of
+    what the layout splits evenly (C chunks, 2C for a zigzag layout or a ring in UPipe).
+
+    Padding goes at the end, with label `IGNORE_INDEX`: no padded position is counted by
+    the loss, and as attention is causal no real token attends to one, so the real tokens'
+    losses and gradients are those of the unpadded sequence (tested against one process)."""
+    dp, ring, uly = cfg.degrees(world)
+    layout = get_strategy(cfg.strategy).layout
+    multiple = ring * uly * (2 if layout == "zigzag" or ring > 1 else 1)
+    return cfg.seq_len + (-cfg.seq_len) % multiple
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """The learning-rate factor of optimizer step `step` (0-based): linear warmup over
+    `warmup` steps ((step + 1) / (warmup + 1)), then a cosine from 1 at step `warmup` to
+    `min_ratio` at the last step, `total - 1`.
+
+    One closed form for `LambdaLR` rather than `SequentialLR(LinearLR, CosineAnnealingLR)`:
+    the latter steps its second scheduler with the deprecated epoch argument at the
+    milestone, needs a nonzero start factor and a special case for no warmup, and
+    `CosineAnnealingLR` updates the rate recursively (rounding accumulates); a factor that
+    depends on the step alone also makes a resumed run's rates those of a straight run."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    span = max(1, total - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _storage_bytes(tensors) -> int:
@@ -186,75 +244,156 @@ def _storage_bytes(tensors) -> int:
 
 
 class Trainer:
-    """Model, optimizer, data and checkpoints of one rank (default process group set up)."""
+    """Model, optimizer, data and checkpoints of one rank (default process group set up).
+
+    Precision: `model` computes in `cfg.dtype`; the optimizer updates `master`, the weights
+    in `cfg.master_dtype` (fp32 by default), whose gradients are accumulated and reduced in
+    that dtype. With FSDP2 the model's sharded parameters are the masters and its mixed
+    precision policy casts them for compute; without, `master` is a separate module
+    (`MasterWeights`) when the dtypes differ, and the model itself when they agree.
+    """
 
     def __init__(self, cfg: TrainConfig, device: torch.device, *, mesh=None, model_config=None):
         """`mesh`: the (dp, ring, ulysses) mesh of `cfg.degrees`, if the caller built it
         (the planner does, outside `FakeTensorMode`); by default it is built here.
         `model_config`: a `ModelConfig` to build instead of the preset `cfg.model`."""
         self.cfg, self.device = cfg, device
+        world = dist.get_world_size()
         if mesh is None:
-            dp, ring, uly = cfg.degrees(dist.get_world_size())
+            dp, ring, uly = cfg.degrees(world)
             mesh = make_mesh(ulysses=uly, ring=ring, dp=dp, device_type=device.type)
-        dp = mesh["dp"].size()
         self.mesh = mesh
         self.cp = context_parallel(cfg.strategy, self.mesh)
-        self.dp, self.dp_rank = dp, self.mesh.get_local_rank("dp")
-        # built in the training dtype (no fp32 copy; fake tensors in the planner cannot be
-        # cast either): with FSDP on the meta device, then sharded, and only this rank's
+        self.dp, self.dp_rank = mesh["dp"].size(), self.mesh.get_local_rank("dp")
+        self.cp_multiple = padded_length(dataclasses.replace(cfg, seq_len=1), world)
+        compute, master = DTYPES[cfg.dtype], DTYPES[cfg.master_dtype]
+        config = model_config or get_config(cfg.model)
+        # built in the master dtype (no full-size cast: fake tensors in the planner cannot
+        # be cast either): with FSDP on the meta device, then sharded, and only this rank's
         # shards are allocated (a 70B model never exists whole on a GPU); else on the
         # device. Either way initialised from the seed to the same values.
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(DTYPES[cfg.dtype])
-        try:
-            with torch.device("meta" if cfg.fsdp else device):
-                model = CausalLM(model_config or get_config(cfg.model))
-        finally:
-            torch.set_default_dtype(default_dtype)
+        model = _build(config, master, "meta" if cfg.fsdp else device)
         parallelize(model, self.cp, heads_per_stage=cfg.heads_per_stage)
         apply_memory_features(model, cfg.features(), device)
+        self.masters = None
         if cfg.fsdp:
-            apply_fsdp(model, self.mesh)
+            apply_fsdp(model, self.mesh, param_dtype=compute if compute != master else None)
             model.to_empty(device=device)
         model.init_weights(cfg.seed)
-        self.model = model
+        self.model = self.master = model
+        if compute != master and not cfg.fsdp:  # a compute copy of the fp32 masters
+            self.model = _build(config, compute, device)
+            parallelize(self.model, self.cp, heads_per_stage=cfg.heads_per_stage)
+            apply_memory_features(self.model, cfg.features(), device)
+            self.masters = MasterWeights(self.model, self.master)
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0
+            self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
+        self.schedule = functools.partial(
+            warmup_cosine, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.data = PackedTokens(cfg.data, seed=cfg.seed)
-        self.positions_L = self.cp.positions(cfg.seq_len)
+        self._positions = {}
 
-    def batch(self, step: int):
-        """This rank's (input_ids, labels, position_ids) `[B, L]` of `step` (0-based)."""
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """Global positions `[L]` of this rank's tokens, the sequence padded."""
+        if seq_len not in self._positions:
+            self._positions[seq_len] = self.cp.positions(seq_len)
+        return self._positions[seq_len]
+
+    def batch(self, index: int):
+        """This rank's (input_ids, labels, position_ids) `[B, L]` of batch `index` of the
+        token stream (`PackedTokens.batch`), padded at the end to a length the layout splits
+        evenly (`padded_length`; labels -100 there)."""
         cfg = self.cfg
-        ids_BS, labels_BS = self.data.batch(
-            step * self.dp + self.dp_rank, cfg.batch_size, cfg.seq_len
-        )
-        pos = self.positions_L
+        ids_BS, labels_BS = self.data.batch(index, cfg.batch_size, cfg.seq_len)
+        pad = (-cfg.seq_len) % self.cp_multiple
+        if pad:
+            ids_BS = torch.nn.functional.pad(ids_BS, (0, pad), value=0)
+            labels_BS = torch.nn.functional.pad(labels_BS, (0, pad), value=IGNORE_INDEX)
+        pos = self.positions(cfg.seq_len + pad)
         return tuple(
             t.to(self.device)
             for t in (ids_BS[:, pos], labels_BS[:, pos], pos.expand(cfg.batch_size, -1))
         )
 
+    def micro_batches(self, step: int) -> list[int]:
+        """Indices of the batches of optimizer step `step` on this rank: its
+        `cfg.grad_accum` micro-batches are the rows of the one batch of
+        batch_size x grad_accum sequences it would take without accumulation."""
+        first = (step * self.dp + self.dp_rank) * self.cfg.grad_accum
+        return list(range(first, first + self.cfg.grad_accum))
+
     def forward_backward(self, step: int) -> float:
-        """Loss (global token mean, same on every rank) of `step`; gradients summed over ranks."""
-        ids, labels, pos = self.batch(step)
-        loss = global_token_mean(self.model(ids, pos, labels), count_valid(labels))
-        loss.backward()
+        """Loss of optimizer step `step`: the mean over every valid token of all its
+        micro-batches on all ranks (the same on every rank). The gradients of that mean,
+        summed over ranks, are in the masters' `.grad` (in the master dtype)."""
+        batches = [self.batch(i) for i in self.micro_batches(step)]
+        count = global_count(sum(count_valid(labels) for _, labels, _ in batches))
+        total = 0.0
+        for ids, labels, pos in batches:
+            # (document masking: the per-document boundaries, cu_seqlens, go to the model here)
+            loss_sum = self.model(ids, pos, labels)
+            loss = global_token_mean(loss_sum, count_valid(labels), total_count=count)
+            loss.backward()
+            total += loss.item()
         if not self.cfg.fsdp:
-            allreduce_gradients(self.model)
-        return loss.item()
+            allreduce_gradients(self.master)
+        return total
 
     def optimizer_step(self) -> None:
+        """Clip, step the optimizer and the learning rate, round the masters into the
+        compute copy."""
         if self.cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.masters.copy_to_model()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def eval_batches(self) -> list[int]:
+        """Indices of this rank's held-out batches: the `cfg.eval_batches` batches per
+        data-parallel rank after the last one training reads (`cfg.steps` steps), so the
+        same whenever the evaluation runs. Held out as long as the corpus is longer than
+        the run reads (the stream repeats from its start when it runs out)."""
+        first = self.cfg.steps * self.dp * self.cfg.grad_accum
+        return [first + k * self.dp + self.dp_rank for k in range(self.cfg.eval_batches)]
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss per valid token over the held-out batches of every rank."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for index in self.eval_batches():
+            ids, labels, pos = self.batch(index)
+            sums[0] += self.model(ids, pos, labels).double()
+            sums[1] += count_valid(labels).double()
+        dist.all_reduce(sums)
+        return (sums[0] / sums[1]).item()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's training state by kind, counted by storage: "params" (the
+        masters and the compute copy; with FSDP the local shards), "grads" (the masters'
+        gradients: call between `forward_backward` and `optimizer_step`), "optimizer"."""
+        params = [*self.master.parameters(), *self.model.parameters()]
+        grads = [p.grad for p in self.master.parameters()]
+        states = [t for s in self.optimizer.state.values() for t in s.values()]
+        return {
+            "params": _storage_bytes(params),
+            "grads": _storage_bytes(grads),
+            "optimizer": _storage_bytes(states),
+        }
 
     def step(self, step: int) -> dict:
         """One training step, measured: loss, seconds and this rank's peak memory."""
         persistent = _storage_bytes(
-            [*self.model.parameters()]
+            [*self.model.parameters(), *self.master.parameters()]
             + [t for s in self.optimizer.state.values() for t in s.values()]
         )
         dist.barrier()
@@ -276,10 +415,11 @@ class Trainer:
     def _state(self):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(self.master, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def save(self, step: int) -> Path:
+        """Save the masters, the optimizer and the schedule after `step` steps."""
         import torch.distributed.checkpoint as dcp
 
         path = Path(self.cfg.checkpoint_dir) / f"step_{step:08d}"
@@ -298,12 +438,31 @@ class Trainer:
         state = self._state()
         dcp.load(state, checkpoint_id=str(done[-1]))
         set_state_dict(
-            self.model,
+            self.master,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
+        self.scheduler.load_state_dict(state["scheduler"])
+        # the next rate from the step reached and *this* run's schedule (the checkpoint's
+        # optimizer holds the rate of the run that saved it; with a larger --steps the
+        # resumed run continues along its own, longer cosine)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * self.schedule(self.scheduler.last_epoch)
+        if self.masters is not None:
+            self.masters.copy_to_model()
         return int(done[-1].name.split("_")[1])
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, device) -> CausalLM:
+    """A `CausalLM` of `config` with parameters of `dtype` on `device` (not initialised)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return CausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def _history(cfg: TrainConfig, upto: int) -> list[dict]:
@@ -323,19 +482,25 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     trainer = Trainer(cfg, device)
     start = trainer.load_latest() if cfg.resume else 0
     history = _history(cfg, start) if rank == 0 else []
-    tokens = cfg.seq_len * cfg.batch_size * trainer.dp
-    bar = None
+    tokens = cfg.seq_len * cfg.batch_size * trainer.dp * cfg.grad_accum
+    bar = writer = None
     if rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.strategy}", unit="step")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(cfg.tensorboard)
     for step in range(start, cfg.steps):
+        lr = trainer.lr
         m = trainer.step(step)
         peaks = [None] * world
         dist.all_gather_object(peaks, m["peak_memory_bytes"])
         row = {
             "step": step + 1,
             "loss": m["loss"],
+            "lr": lr,
             "tokens_per_s": tokens / m["seconds"],
             "peak_memory_bytes": max(peaks),
             "peak_memory_bytes_per_rank": peaks,
@@ -343,6 +508,9 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
             "strategy": cfg.strategy,
             "world_size": world,
         }
+        last = step + 1 == cfg.steps
+        if cfg.eval_every and (last or (step + 1) % cfg.eval_every == 0):
+            row["eval_loss"] = trainer.evaluate()
         history.append(row)
         if rank == 0:
             bar.set_postfix(
@@ -354,12 +522,17 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
             if cfg.metrics_file:
                 with open(cfg.metrics_file, "a") as f:
                     f.write(json.dumps(row) + "\n")
-        last = step + 1 == cfg.steps
+            if writer is not None:
+                for key in ("loss", "eval_loss", "lr", "tokens_per_s", "peak_memory_bytes"):
+                    if key in row:
+                        writer.add_scalar(f"train/{key}", row[key], step + 1)
         every = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (last or every):
             trainer.save(step + 1)
     if rank == 0:
         bar.close()
+        if writer is not None:
+            writer.close()
         if cfg.plot and history:
             plot_loss(
                 history, cfg.plot, f"{cfg.model}, {cfg.strategy}, S={cfg.seq_len}, {world} ranks"
@@ -367,8 +540,24 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     return history
 
 
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def have_tensorboard() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
 def plot_loss(history: list[dict], path: str, title: str) -> None:
-    """Loss (and tokens/s) vs step as a PNG."""
+    """Loss (and the held-out loss, if evaluated) vs step as a PNG; without matplotlib (an
+    optional dependency: pip install 'upipe[train]') a warning and no plot."""
+    if not have_matplotlib():
+        warnings.warn(
+            f"no loss plot written to {path}: matplotlib is not installed "
+            "(pip install 'upipe[train]', or --plot '' to silence this)",
+            stacklevel=2,
+        )
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -377,6 +566,11 @@ def plot_loss(history: list[dict], path: str, title: str) -> None:
     steps = [r["step"] for r in history]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["loss"] for r in history], marker="." if len(steps) < 50 else None)
+    evals = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o--", label="held-out")
+        ax.plot([], [], label="train", color="C0")
+        ax.legend(fontsize=8)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("loss (nats/token)")

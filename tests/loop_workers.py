@@ -1,0 +1,46 @@
+"""Module-level functions run on every rank of a LocalCluster by tests/test_train_loop.py and
+tests/test_mixed_precision.py."""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.train import Trainer
+
+
+def train_rows(rank, world_size, cfg):
+    """upipe.train.train(cfg)'s metrics, and the batch indices training and evaluation read."""
+    from upipe.train import train
+
+    rows = train(cfg)
+    trainer = Trainer(cfg, torch.device("cpu"))
+    read = [i for s in range(cfg.steps) for i in trainer.micro_batches(s)]
+    return rows, read, trainer.eval_batches()
+
+
+def losses(rank, world_size, cfg):
+    """The loss of each of cfg.steps optimizer steps."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    out = []
+    for step in range(cfg.steps):
+        out.append(trainer.forward_backward(step))
+        trainer.optimizer_step()
+    return out
+
+
+def state_bytes(rank, world_size, cfg):
+    """(bytes by kind with gradients and AdamW states present, parameters of the model,
+    dtypes of masters / compute weights / gradients / AdamW states)."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer.forward_backward(0)
+    trainer.optimizer.step()  # AdamW states created; gradients still present
+    counts = trainer.state_bytes()
+    masters = list(trainer.master.parameters())
+    states = [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim()]
+    dtypes = {
+        "master": {p.dtype for p in masters},
+        "compute": {p.dtype for p in trainer.model.parameters()},
+        "grad": {p.grad.dtype for p in masters},
+        "optimizer": {t.dtype for t in states},
+    }
+    return counts, trainer.model.config.num_params(), dtypes
