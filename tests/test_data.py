@@ -276,3 +276,16 @@ def test_saved_dataset_errors(tmp_path):
     datasets.DatasetDict({"validation": ds}).save_to_disk(str(tmp_path / "notrain"))
     with pytest.raises(ValueError, match=r"no \"train\" split \(\['validation'\]\)"):
         PackedTokens(str(tmp_path / "notrain")).batch(0, 1, 4)
+
+
+def test_hf_tokenizer_agrees_with_transformers(hf_tokenizer_dir):
+    """The ids are those transformers' tokenizer of the same directory gives (no special
+    tokens added), so a checkpoint sees the tokens it was trained on."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_tokenizer_dir))
+    tok = load_tokenizer(str(hf_tokenizer_dir))
+    assert tok.eos_id == ref.eos_token_id
+    for text in TEXTS[:12]:
+        if "<|endoftext|>" in text:
+            continue  # transformers would encode it as the EOS; upipe as text (see the module)
+        assert tok.encode(text.encode()).tolist() == ref.encode(text, add_special_tokens=False)
