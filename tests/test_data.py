@@ -261,9 +261,10 @@ def test_saved_dataset_and_dataset_dict(tmp_path):
     assert sorted(streams["ds"]) == sorted(TEXTS) and streams["ds"] != TEXTS  # rows shuffled
     again = PackedTokens(str(tmp_path / "ds"), seed=3).tokens(0, n)
     assert [bytes(d).decode() for d in split_documents(again, EOS)] == streams["ds"]
-    # a saved dataset is one source among others
+    # a saved dataset is one source among others, also inside a directory
     mixed = f"{tmp_path / 'ds'},{write_jsonl(tmp_path / 'x.jsonl', ['extra'])}"
     assert len(PackedTokens(mixed).files) == 2
+    assert corpus_files(str(tmp_path)) == [tmp_path / "dd", tmp_path / "ds", tmp_path / "x.jsonl"]
 
 
 def test_saved_dataset_errors(tmp_path):

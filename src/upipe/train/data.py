@@ -198,6 +198,27 @@ def _import_datasets():
     return datasets
 
 
+def _directory_sources(root: Path) -> list[Path]:
+    """The files under `root` (hidden files skipped) in sorted order, except that a saved
+    dataset inside it is one source (its directory, where its first file was), not its
+    Arrow files."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    datasets = {
+        p.parent
+        for p in files
+        if p.name in ("dataset_dict.json", "state.json") and _is_saved_dataset(p.parent)
+    }
+    sources = []
+    for p in files:
+        top = next((d for d in reversed(p.parents) if d in datasets), None)
+        if top is None:
+            sources.append(p)
+        elif not sources or sources[-1] != top:
+            _import_datasets()
+            sources.append(top)
+    return sources
+
+
 def corpus_files(spec: str | None) -> list[Path]:
     """The sources of `--data` (comma-separated files or directories; a directory saved by
     `datasets` is one source; None: the default corpus); ValueError naming the entry that
@@ -211,9 +232,7 @@ def corpus_files(spec: str | None) -> list[Path]:
             _import_datasets()
             files.append(path)
         elif path.is_dir():
-            files += sorted(
-                p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-            )
+            files += _directory_sources(path)
         elif path.is_file():
             files.append(path)
         else:
