@@ -81,6 +81,7 @@ def test_logits_equal_transformers(arch, dtype, tmp_path):
     cfg = model.config
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm) == (8, 2, 16, arch == "qwen3")
     assert cfg.tie_embeddings == (arch == "qwen3")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == cfg.tie_embeddings
     assert cfg.rope_theta == {"llama": 5e5, "qwen3": 1e6}[arch]
     assert all(p.dtype == dtype for p in model.parameters())
     err = rel_err(upipe_logits(model), hf_logits(ref))
@@ -190,6 +191,13 @@ def test_load_errors(tmp_path):
     other = CausalLM(ModelConfig(vocab_size=101, dim=64))
     with pytest.raises(ValueError, match=r"n_kv_heads 2 \(checkpoint\) vs 4 \(model\)"):
         load_hf_weights(other, tmp_path)
+    qwen3 = tmp_path / "qwen3"
+    hf_model("qwen3").save_pretrained(qwen3)
+    with torch.device("meta"):
+        untied = CausalLM(config_from_hf(qwen3))
+    untied.to_empty(device="cpu")
+    with pytest.raises(ValueError, match="tie them first"):
+        load_hf_weights(untied, qwen3)
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(tmp_path / "model.safetensors")

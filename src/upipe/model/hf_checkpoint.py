@@ -199,6 +199,12 @@ def load_hf_weights(model: CausalLM, path: str | Path) -> None:
             "with CausalLM(config_from_hf(path))"
         )
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    if cfg.tie_embeddings and "lm_head.weight" in params:
+        raise ValueError(
+            "the config ties lm_head to the embedding but the model holds two tensors "
+            "(Module.to_empty unties them); tie them first: "
+            "model.lm_head.weight = model.model.embed_tokens.weight"
+        )
     safe_open = _safetensors().safe_open
     where, unexpected = {}, []
     for file in _weight_files(path):
@@ -230,10 +236,20 @@ def load_hf_weights(model: CausalLM, path: str | Path) -> None:
 def load_hf_checkpoint(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
-    """A `CausalLM` built from a checkpoint directory's config.json, holding its weights."""
+    """A `CausalLM` built from a checkpoint directory's config.json, holding its weights.
+    Built on the meta device in `dtype`, then allocated once on `device` (no random init,
+    no fp32 copy of a bf16 model)."""
     cfg = config_from_hf(path)
-    with torch.device(device):
-        model = CausalLM(cfg).to(dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty gives each module its own tensor: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
     load_hf_weights(model, path)
     return model
 
