@@ -137,27 +137,57 @@ def test_save_in_bfloat16(tmp_path):
         assert torch.equal(p.bfloat16(), q)
 
 
-def test_config_from_transformers4_style_dict():
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "pretraining_tp": 1,
-        "torch_dtype": "bfloat16",
-    }  # fmt: skip  (Meta-Llama-3-8B's config.json, trimmed)
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": None,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "pretraining_tp": 1,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip  (Meta-Llama-3-8B's config.json, trimmed: no head_dim, transformers 4 RoPE)
+QWEN3_32B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "max_window_layers": 64,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip  (Qwen3-32B's config.json, trimmed)
+
+
+@pytest.mark.parametrize("hf, preset", [(LLAMA3_8B, "llama3-8b"), (QWEN3_32B, "qwen3-32b")])
+def test_published_configs_give_the_presets(hf, preset):
     from upipe.model import get_config
 
-    assert config_from_hf(hf) == get_config("llama3-8b")
+    assert config_from_hf(hf) == get_config(preset)
+    # and back: transformers reads what hf_config writes as the same shapes
+    from upipe.model.hf_checkpoint import hf_config
+
+    cfg = transformers.AutoConfig.for_model(**hf_config(get_config(preset), dtype=torch.bfloat16))
+    assert config_from_hf(cfg.to_dict()) == get_config(preset)
 
 
 @pytest.mark.parametrize(
