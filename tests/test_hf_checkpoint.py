@@ -34,7 +34,7 @@ CONFIGS = {
         **COMMON,
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -137,6 +137,7 @@ def test_save_in_bfloat16(tmp_path):
         assert torch.equal(p.bfloat16(), q)
 
 
+# Meta-Llama-3-8B's config.json, trimmed (no head_dim; transformers 4's RoPE keys)
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -153,7 +154,8 @@ LLAMA3_8B = {
     "tie_word_embeddings": False,
     "pretraining_tp": 1,
     "torch_dtype": "bfloat16",
-}  # fmt: skip  (Meta-Llama-3-8B's config.json, trimmed: no head_dim, transformers 4 RoPE)
+}
+# Qwen3-32B's config.json, trimmed
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -175,7 +177,7 @@ QWEN3_32B = {
     "max_window_layers": 64,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
-}  # fmt: skip  (Qwen3-32B's config.json, trimmed)
+}
 
 
 @pytest.mark.parametrize("hf, preset", [(LLAMA3_8B, "llama3-8b"), (QWEN3_32B, "qwen3-32b")])
