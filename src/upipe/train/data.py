@@ -413,7 +413,8 @@ class PackedTokens:
         self._train = _Stream(
             self.files, tokenizer, seed=seed, keep=train_keep,
             empty="the corpus holds no text" + (
-                f" outside the held-out eval_fraction={eval_fraction}" if eval_fraction else ""
+                f" outside the held-out eval_fraction={eval_fraction}; lower it"
+                if eval_fraction else ""
             ),
         )  # fmt: skip
         self._eval = None
