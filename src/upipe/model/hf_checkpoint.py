@@ -295,7 +295,7 @@ def save_hf_checkpoint(
         if max_shard_bytes and shards[-1] and size + t.numel() * t.element_size() > max_shard_bytes:
             shards.append({})
         shards[-1][name] = t
-    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+    metadata = {"format": "pt"}  # what transformers checks a safetensors file declares
     if len(shards) == 1:
         (path / INDEX_NAME).unlink(missing_ok=True)
         save_file(shards[0], str(path / WEIGHTS_NAME), metadata=metadata)
