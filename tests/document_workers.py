@@ -59,8 +59,10 @@ def run_docs(rank, world_size, strategy, shape, kwargs, cu, dtype=torch.float32,
     results gathered back to the full sequence (fp64)."""
     if emulate:
         import cuda_emulation
+        import varlen_emulation
 
         cuda_emulation.install()
+        varlen_emulation.install()
     group = dist.group.WORLD
     layout = kwargs.setdefault("layout", "zigzag" if strategy == "ring" else "contiguous")
     q, k, v, dout = make_qkv(**shape, dtype=dtype)
@@ -166,3 +168,24 @@ def count_docs_layer(rank, world_size, cfg, cu):
             layer(xs, pos, cu_seqlens=docs).backward(dys)
         out.append(dict(counts))
     return out
+
+
+def varlen_calls(rank, world_size, strategy, shape, kwargs, cu, dtype):
+    """`run_docs` on the emulated CUDA path; returns (results, varlen kernel calls made)."""
+    import varlen_emulation
+
+    before = dict(varlen_emulation.CALLS)
+    res = run_docs(rank, world_size, strategy, shape, kwargs, cu, dtype, True)
+    calls = {k: v - before.get(k, 0) for k, v in varlen_emulation.CALLS.items()}
+    calls = {k: v for k, v in calls.items() if v}
+    return res, calls
+
+
+def run_module_docs_emulated(rank, world_size, cfg, kwargs, cu, dtype):
+    """`run_module_docs` on the emulated CUDA path (backend="cuda")."""
+    import cuda_emulation
+    import varlen_emulation
+
+    cuda_emulation.install()
+    varlen_emulation.install()
+    return run_module_docs(rank, world_size, cfg, {**kwargs, "backend": "cuda"}, cu, dtype)

@@ -25,6 +25,8 @@ from document_workers import (
     run_docs,
     run_docs_mesh,
     run_module_docs,
+    run_module_docs_emulated,
+    varlen_calls,
 )
 from workers import make_module_inputs, make_weights
 
@@ -244,21 +246,39 @@ def test_bf16_within_bound(clusters, strategy, world, G, kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
-def test_cuda_path_emulated(clusters, strategy, dtype):
+@pytest.mark.parametrize("strategy,kwargs", [("ulysses", {}), ("upipe", {}), ("ring", {})])
+def test_cuda_path_emulated(clusters, strategy, kwargs, dtype):
     """backend="cuda" on CPU under the emulation of the CUDA kernels' contract
-    (tests/cuda_emulation.py): per-document calls of the flash (bf16) and memory-efficient
-    (fp32) kernels, d = 8."""
-    shape, cu = dict(B=1, S=S, H=4, G=2, d=8), CU["random"]
+    (tests/cuda_emulation.py, tests/varlen_emulation.py). Ulysses/UPipe in bf16: one varlen
+    flash call per stage (forward and backward) for all documents and batch rows; in fp32,
+    and the ring always, per-document calls of the dense flash (bf16) or memory-efficient
+    (fp32) kernels. d = 4 is padded to 8, B = 2 rows are packed."""
+    shape, cu = dict(B=2, S=S, H=4, G=2, d=4), CU["random"]
     ref = doc_reference(shape, cu)
-    kwargs = {"backend": "cuda"}
-    got = clusters(2).run(run_docs, strategy, shape, kwargs, cu, dtype, True)
+    kwargs = {"backend": "cuda", **kwargs}
+    got = clusters(2).run(varlen_calls, strategy, shape, kwargs, cu, dtype)
+    res, calls = got[0]
+    stages = 1 if strategy == "ulysses" else 2  # upipe: H / U = 4 / 2 stages
+    varlen = dtype == torch.bfloat16 and strategy != "ring"
+    assert calls == ({"forward": stages, "backward": stages} if varlen else {}), calls
     if dtype == torch.float32:
-        _check(got[0], ref, TOL[dtype]["fwd"], TOL[dtype]["bwd"])
+        _check(res, ref, TOL[dtype]["fwd"], TOL[dtype]["bwd"])
     else:
         single = one_device(shape, cu, dtype)
-        for a, s, r in zip(got[0], single, ref, strict=True):
+        for a, s, r in zip(res, single, ref, strict=True):
             assert rel_err(a, r) <= bf16_bound(rel_err(s, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_module_cuda_path_emulated(clusters, dtype):
+    """The fused UPipe module on the emulated CUDA path (varlen in bf16), fwd + bwd."""
+    cfg = dict(B=2, S=S, dim=64, num_heads=8, num_kv_heads=2)
+    got = clusters(2).run(run_module_docs_emulated, cfg, {"strategy": "upipe"}, CU["mixed"], dtype)
+    ref = module_doc_reference(cfg, CU["mixed"])
+    names = ("y", "dx", "q_proj", "k_proj", "o_proj")
+    summed = [sum(r[n] for r in got) for n in names[2:]]
+    tol = TOL[torch.float32]["bwd"] if dtype == torch.float32 else TOL[dtype]["bwd"]
+    _check([got[0]["y"], got[0]["dx"], *summed], [ref[n] for n in names], tol, tol, names)
 
 
 # --- validation and counts ---------------------------------------------------------------

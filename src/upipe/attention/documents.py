@@ -22,9 +22,11 @@ keeps out = 0, lse = -inf in the block, which the ring's lse merge treats as no
 contribution; the local block covers every row (each token sees itself), so the final lse
 is finite.
 
-Kernel calls are the existing `upipe.kernels` ones on sub-ranges (any backend: on CUDA the
+Kernel calls are the existing `upipe.kernels` ones on sub-ranges (any backend; on CUDA the
 dense flash/efficient kernels per document). Their number is the number of (document,
-segment pair) intersections: about (documents + segments) per block.
+segment pair) intersections: about (documents + segments) per block. The whole-sequence
+case on CUDA in fp16/bf16 (backend "cuda") instead makes one varlen kernel call for all
+documents and batch rows (varlen.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import itertools
 
 import torch
 
+from upipe.attention import varlen
 from upipe.kernels import acc_dtype, attention_backward, attention_forward
 
 
@@ -78,11 +81,18 @@ def block_calls(bounds, q_segs, k_segs, causal: bool) -> list[tuple[slice, slice
 
 def local_forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale, backend):
     """(out_BPud, lse_BuP) of attention over P tokens in sequence order, document-masked:
-    one kernel call per document (each row lies in exactly one, so no merge)."""
+    one kernel call per document (each row lies in exactly one, so no merge), or on CUDA in
+    fp16/bf16 one varlen call for all of them (varlen.py)."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if len(bounds) == 2:  # one document: plain attention, no copies
+        return attention_forward(q_BPud, k_BPkd, v_BPkd, **kw)
+    if varlen.use_varlen(q_BPud, backend):
+        return varlen.forward(
+            q_BPud, k_BPkd, v_BPkd, bounds, causal=causal, softmax_scale=softmax_scale
+        )
     B, P, u, _ = q_BPud.shape
     out_BPud = torch.empty_like(q_BPud)
     lse_BuP = torch.empty(B, u, P, dtype=acc_dtype(q_BPud.dtype), device=q_BPud.device)
-    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     for a, b in itertools.pairwise(bounds):
         o, lse = attention_forward(q_BPud[:, a:b], k_BPkd[:, a:b], v_BPkd[:, a:b], **kw)
         out_BPud[:, a:b] = o
@@ -92,9 +102,15 @@ def local_forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale, back
 
 
 def local_backward(dout, q, k, v, out, lse, bounds, *, causal, softmax_scale, backend):
-    """(dq, dk, dv) of `local_forward` from its saved out and lse, per document."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    """(dq, dk, dv) of `local_forward` from its saved out and lse, per document (or in one
+    varlen call where `local_forward` made one)."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if len(bounds) == 2:
+        return attention_backward(dout, q, k, v, out, lse, **kw)
+    if varlen.use_varlen(q, backend):
+        kw.pop("backend")
+        return varlen.backward(dout, q, k, v, out, lse, bounds, **kw)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for a, b in itertools.pairwise(bounds):
         rows = slice(a, b)
         grads = attention_backward(
