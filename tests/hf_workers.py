@@ -144,6 +144,55 @@ def _error_case(name, group, apply_context_parallel, shard_batch):
     elif name == "packed":  # positions restart mid-shard (a second document)
         kw["position_ids"] = kw["position_ids"].clone()
         kw["position_ids"][:, 5:] -= kw["position_ids"][:, 5:6]
+    elif name == "documents_vs_positions":  # boundaries given, positions not restarting
+        kw["cu_seq_lens_q"] = kw["cu_seq_lens_k"] = torch.tensor([0, 7, SEQ])
     elif name == "padding_rank0" and dist.get_rank() == 0:  # every rank must still raise
         kw["attention_mask"] = torch.zeros_like(batch["input_ids"])
     model(**kw)
+
+
+# documents of a packed row: shorter than a shard, one token, spanning shards, to the end
+PACKED_BOUNDS = (0, 5, 6, 30, SEQ)
+
+
+def packed_reference(arch, bounds=PACKED_BOUNDS):
+    """The unmodified model on each document separately (one process): logits concatenated,
+    the loss over every document's next tokens (a document's last token has none), gradients,
+    state dict."""
+    import torch.nn.functional as F
+
+    model = build_model(arch)
+    ids = make_batch()
+    logits, loss_sum, count = [], 0.0, 0
+    for a, b in zip(bounds, bounds[1:]):
+        part = model(input_ids=ids[:, a:b]).logits
+        logits.append(part)
+        if b - a > 1:
+            loss_sum = loss_sum + F.cross_entropy(
+                part[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum"
+            )
+            count += ids.shape[0] * (b - a - 1)
+    loss = loss_sum / count
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return torch.cat(logits, dim=1).detach(), loss.detach(), grads, model.state_dict()
+
+
+def run_packed(rank, world_size, arch, strategy, state, bounds=PACKED_BOUNDS):
+    """A packed batch (positions restarting per document) through the converted model, the
+    way transformers' packing hands it over; returns what `run_context_parallel` does."""
+    from upipe.comm import document_positions
+    from upipe.integrations.hf import apply_context_parallel, causal_lm_loss, shard_batch
+
+    group = dist.group.WORLD
+    model = apply_context_parallel(build_model(arch, seed=123), group=group, strategy=strategy)
+    model.load_state_dict(state)
+    positions_BS = document_positions(bounds, SEQ).expand(BATCH, SEQ)
+    batch = shard_batch(make_batch(), position_ids_BS=positions_BS, group=group)
+    assert batch["cu_seq_lens_q"].tolist() == list(bounds)
+    labels = batch.pop("labels")
+    logits = model(**batch).logits
+    loss = causal_lm_loss(logits, labels, group=group)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads, repr(model.model.layers[0].self_attn)

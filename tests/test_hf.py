@@ -21,9 +21,14 @@ def _reference(arch):
     return W.reference(arch)
 
 
-def _check(results, arch):
+@functools.cache
+def _packed_reference(arch):
+    return W.packed_reference(arch)
+
+
+def _check(results, arch, reference=_reference):
     """Logits (blocks concatenated by rank), loss and summed gradients vs the reference."""
-    logits, loss, grads, _ = _reference(arch)
+    logits, loss, grads, _ = reference(arch)
     errs = {
         "logits": rel_err(torch.cat([r[0] for r in results], dim=1), logits),
         "loss": max(abs(r[1].item() - loss.item()) / loss.item() for r in results),
@@ -56,6 +61,17 @@ def test_mesh_2x2_matches_unmodified_model(clusters, arch):
     _check(results, arch)
 
 
+@pytest.mark.parametrize(
+    ("arch", "strategy", "world"), [("llama", "upipe", 4), ("qwen3", "ulysses", 2)]
+)
+def test_packed_documents_match_each_document_alone(clusters, arch, strategy, world):
+    """Packed rows (position ids restarting per document, boundaries from shard_batch) equal
+    the unmodified model run on each document separately: logits, loss, gradients."""
+    state = _packed_reference(arch)[3]
+    results = clusters(world).run(W.run_packed, arch, strategy, state)
+    _check(results, arch, reference=_packed_reference)
+
+
 ERRORS = {
     "sliding_window": "sliding-window attention is not supported",
     "dynamic_rope": "rope type 'dynamic' is not supported",
@@ -66,6 +82,7 @@ ERRORS = {
     "no_positions": "position_ids are required",
     "labels": "labels= would give a loss over this rank's tokens only",
     "packed": "packed sequences",
+    "documents_vs_positions": "position_ids do not restart at 0 at the documents",
 }
 
 

@@ -6,8 +6,9 @@ d head dim, C ranks the sequence is split over (group size, or ring x ulysses on
     model = LlamaForCausalLM.from_pretrained(path)          # or Qwen2/Qwen3/Mistral
     apply_context_parallel(model, group=dist.group.WORLD)   # strategy="upipe" by default
     batch = shard_batch(input_ids_BS, group=dist.group.WORLD)
-    logits_BLV = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    loss = causal_lm_loss(logits_BLV, batch["labels"], group=dist.group.WORLD)
+    labels_BL = batch.pop("labels")
+    logits_BLV = model(**batch).logits            # input_ids, position_ids (+ documents)
+    loss = causal_lm_loss(logits_BLV, labels_BL, group=dist.group.WORLD)
     loss.backward()      # parameter gradients: this rank's share; sum them over the ranks
 
 `apply_context_parallel` puts a `HFContextParallelAttention` in place of each decoder layer's
@@ -16,8 +17,19 @@ d head dim, C ranks the sequence is split over (group size, or ring x ulysses on
 state-dict keys are unchanged: a checkpoint loads before or after the call. RoPE comes from
 the model itself: its rotary embedding turns the *global* position ids of this rank's tokens
 into cos/sin (rope scaling "linear", "llama3", "yarn" included), which the decoder layers
-hand to the attention. Nothing is imported from `transformers` here; models are recognised
-by class name.
+hand to the attention. Nothing is imported from `transformers` at import time; models are
+recognised by class name.
+
+Packed sequences (several documents in one row, as transformers' `DataCollatorWithFlattening`
+makes them): position ids restart at 0 at each document. `shard_batch(input_ids,
+position_ids_BS=...)` finds the documents in the full sequence's position ids and returns
+their boundaries as transformers' flash-attention keywords `cu_seq_lens_q`/`cu_seq_lens_k`
+(`[0, e_1, ..., S]` of the *full* sequence, a CPU tensor, the same on every rank), which the
+model hands to every attention layer: a token then attends only within its document
+(`upipe.attention.documents`), and the label of each document's last token is ignored.
+The model's attention implementation is set to "upipe" (registered with transformers'
+`AttentionInterface`; it has no mask function), so transformers builds no `[L, L]` mask,
+packed or not.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import torch.nn.functional as F
 
 from upipe.attention.common import agree_across_ranks, resolve_groups
 from upipe.attention.module import ContextParallelAttention
-from upipe.comm import shard_sequence
+from upipe.comm import check_cu_seqlens, document_positions, shard_sequence
 from upipe.loss import IGNORE_INDEX, count_valid, global_token_mean, shift_labels
 from upipe.mesh import mesh_coordinates
 from upipe.torch_private import flatten_mesh
@@ -41,6 +53,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 # rope types whose cos/sin depend only on the position (not on the local sequence length)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the attention implementation a converted model is set to (see the module docstring)
+ATTN_IMPLEMENTATION = "upipe"
 
 
 class HFContextParallelAttention(ContextParallelAttention):
@@ -53,7 +67,7 @@ class HFContextParallelAttention(ContextParallelAttention):
     model call by the hook that `apply_context_parallel` puts on the decoder stack.
     """
 
-    def __init__(self, hf_attn, config, *, group, mesh, strategy, heads_per_stage):
+    def __init__(self, hf_attn, config, *, group, mesh, strategy, heads_per_stage, state):
         q_norm = getattr(hf_attn, "q_norm", None)
         super().__init__(
             config.hidden_size,
@@ -73,13 +87,15 @@ class HFContextParallelAttention(ContextParallelAttention):
         if q_norm is not None:
             self.q_norm, self.k_norm = q_norm, hf_attn.k_norm
         self.layer_idx = hf_attn.layer_idx
+        self._state = state  # the model call's validated documents (set by the input hook)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
-        # attention_mask: only the causal mask transformers derives (the input hook rejects
-        # padding); past_key_values: rejected by the input hook too
+        # attention_mask: None (the "upipe" implementation has no mask function; the input
+        # hook rejects padding); past_key_values: rejected by the input hook too;
+        # cu_seq_lens_q/k: validated by the input hook, which keeps them in the state
         B, L, _ = hidden_states.shape
         cos, sin = (t.expand(B, L, -1) for t in position_embeddings)
-        return self._attend(hidden_states, cos, sin), None
+        return self._attend(hidden_states, cos, sin, self._state["docs"]), None
 
 
 def _check_model(model) -> None:
@@ -141,6 +157,30 @@ def _block_index(group, mesh) -> tuple[int, int]:
     return i * U + j, mesh["ring"].size() * U
 
 
+def _check_documents(cu_q, cu_k, pos_BL, block: int, S: int) -> tuple[int, ...]:
+    """The documents of a packed call, validated: boundaries of the full sequence of S tokens
+    (the same for queries and keys), and this rank's position ids restarting at each.
+
+    One host read of the boundaries (`check_cu_seqlens`; none for a CPU tensor, which
+    `shard_batch` returns) and one of a boolean (the positions check) per model call."""
+    if cu_q is None or cu_k is None:
+        raise ValueError("pass both cu_seq_lens_q and cu_seq_lens_k (the same tensor)")
+    bounds = check_cu_seqlens(cu_q, S)
+    if cu_k is not cu_q and check_cu_seqlens(cu_k, S) != bounds:
+        raise ValueError(
+            "cu_seq_lens_k differs from cu_seq_lens_q: self-attention over packed documents "
+            "takes the same boundaries for both"
+        )
+    L = pos_BL.shape[1]
+    want_L = document_positions(bounds, S, device=pos_BL.device)[block * L : (block + 1) * L]
+    if not bool((pos_BL == want_L).all()):
+        raise ValueError(
+            "position_ids do not restart at 0 at the documents of cu_seq_lens_q (this rank's "
+            f"tokens {block * L}..{(block + 1) * L - 1}); take both from shard_batch"
+        )
+    return bounds
+
+
 def _input_hook(state):
     """A forward pre-hook for the decoder stack (`model.model`): checks the call on every
     rank, and makes every rank raise the same ValueError, before any collective."""
@@ -151,8 +191,10 @@ def _input_hook(state):
             x = kwargs.get("inputs_embeds")
         pos = kwargs.get("position_ids")
         mask = kwargs.get("attention_mask")
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
         labels_given, state["labels"] = state["labels"], False
         block, n_blocks = _block_index(state["group"], state["mesh"])
+        state["docs"] = None
 
         def local():
             if labels_given:
@@ -173,10 +215,14 @@ def _input_hook(state):
                 )
             if pos.dim() != 2 or pos.shape[1] != L or pos.shape[0] not in (1, B):
                 raise ValueError(f"position_ids must be [{B}, {L}], got {tuple(pos.shape)}")
-            if L > 1 and not bool((pos.diff(dim=-1) == 1).all()):
+            if cu_q is not None or cu_k is not None:
+                state["docs"] = _check_documents(cu_q, cu_k, pos, block, n_blocks * L)
+            elif L > 1 and not bool((pos.diff(dim=-1) == 1).all()):
                 raise ValueError(
-                    "position_ids must increase by 1 within a rank's shard: packed sequences "
-                    "(positions restarting per document) are not supported"
+                    "position_ids restart inside this rank's shard: for packed sequences "
+                    "(positions restarting per document) pass the documents' boundaries too, "
+                    "as cu_seq_lens_q/cu_seq_lens_k: shard_batch(input_ids, "
+                    "position_ids_BS=...) returns them"
                 )
             if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
                 raise ValueError(
@@ -194,6 +240,8 @@ def _input_hook(state):
 
         def signature():
             B, L = x.shape[:2]
+            if state["docs"] is not None:  # positions checked against the documents
+                return {"local batch x tokens": (B, L), "documents": True}
             # a sequence continues across the ranks: rank block r starts at offset + r * L
             offsets = tuple((pos[:, 0] - block * L).tolist())  # (once per model call)
             return {"local batch x tokens": (B, L), "position offset": offsets}
@@ -202,6 +250,23 @@ def _input_hook(state):
         agree_across_ranks(group, local, signature, cohort)
 
     return hook
+
+
+def _never_called(module, *args, **kwargs):
+    raise RuntimeError(
+        "the 'upipe' attention implementation is never called: apply_context_parallel puts "
+        "HFContextParallelAttention in place of each layer's self_attn"
+    )
+
+
+def _use_upipe_attention(model) -> None:
+    """Set the model's attention implementation to "upipe": registered with transformers'
+    `AttentionInterface` (its extension point for custom attention) and absent from its mask
+    functions, so that transformers builds no attention mask (see the module docstring)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _never_called)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", heads_per_stage=None):
@@ -213,14 +278,23 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
     as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only).
     Each rank then holds a contiguous block of the sequence (`shard_batch`), calls the model
     with `position_ids` and without labels, and computes the loss with `causal_lm_loss`.
-    Also switches an "eager" model to "sdpa" (so transformers builds no `[L, L]` mask that
-    would go unused) and sets `config.use_cache = False`. Raises ValueError for unsupported
-    models and options (sliding window shorter than the sequence -- checked per call --,
+    Also sets the model's attention implementation to "upipe" (so transformers builds no
+    `[L, L]` mask that would go unused) and `config.use_cache = False`. Raises ValueError for
+    unsupported models and options (sliding window shorter than the sequence -- checked per call --,
     dynamic rope, attention dropout, padding masks, labels=, generation).
     """
     _check_model(model)
     cfg, base = model.config, model.model
     ulysses, _, _, agree = resolve_groups(group, mesh)
+    state = {
+        "group": group,
+        "mesh": mesh,
+        "ulysses": ulysses,
+        "agree": agree,
+        "window": _sliding_window(cfg),
+        "labels": False,
+        "docs": None,
+    }
     for layer in base.layers:
         layer.self_attn = HFContextParallelAttention(
             layer.self_attn,
@@ -229,18 +303,10 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
             mesh=mesh,
             strategy=strategy,
             heads_per_stage=heads_per_stage,
+            state=state,
         )
-    if getattr(cfg, "_attn_implementation", None) == "eager":
-        model.set_attn_implementation("sdpa")
+    _use_upipe_attention(model)
     cfg.use_cache = False
-    state = {
-        "group": group,
-        "mesh": mesh,
-        "ulysses": ulysses,
-        "agree": agree,
-        "window": _sliding_window(cfg),
-        "labels": False,
-    }
 
     def note_labels(module, args, kwargs):
         state["labels"] = kwargs.get("labels") is not None
@@ -251,24 +317,58 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
 
 
 def shard_batch(input_ids_BS, *, labels_BS=None, position_ids_BS=None, group=None, mesh=None):
-    """This rank's block of a batch: {"input_ids", "labels", "position_ids"}, each `[B, L]`.
+    """This rank's block of a batch: {"input_ids", "labels", "position_ids"}, each `[B, L]`,
+    plus "cu_seq_lens_q"/"cu_seq_lens_k" for packed sequences.
 
     `input_ids_BS` is the full batch, identical on every rank. Labels are the next tokens
     (`upipe.loss.shift_labels`, taken *before* sharding, so the last token of a block is
     labelled with the first of the next) unless given; position ids default to 0 .. S-1.
-    Pass the same group/mesh as to `apply_context_parallel`.
+    Position ids that restart (a step other than +1, as transformers' packing makes them)
+    mark documents: their boundaries `[0, e_1, ..., S]` (int32, on the CPU, the same for
+    every row -- a ValueError otherwise) are returned as cu_seq_lens_q/k, and the label of
+    each document's last token (the next document's first token) becomes -100.
+    Pass the same group/mesh as to `apply_context_parallel`; pass everything but "labels" to
+    the model.
     """
     resolve_groups(group, mesh)
     B, S = input_ids_BS.shape
     labels_BS = shift_labels(input_ids_BS) if labels_BS is None else labels_BS
+    bounds = None
     if position_ids_BS is None:
         position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+    else:
+        bounds = packed_boundaries(position_ids_BS)
     kw = dict(group=group) if group is not None else dict(mesh=mesh, layout="contiguous")
-    return {
+    if bounds is not None:
+        labels_BS = labels_BS.clone()
+        labels_BS[:, [e - 1 for e in bounds[1:-1]]] = IGNORE_INDEX
+    batch = {
         "input_ids": shard_sequence(input_ids_BS, **kw),
         "labels": shard_sequence(labels_BS, **kw),
         "position_ids": shard_sequence(position_ids_BS, **kw),
     }
+    if bounds is not None:
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu_seqlens
+    return batch
+
+
+def packed_boundaries(position_ids_BS) -> tuple[int, ...] | None:
+    """Document boundaries `(0, e_1, ..., S)` from full-sequence position ids: a document
+    starts where the position does not follow the previous one (+1), as in transformers'
+    packed-sequence detection; None for one document. Rows must agree."""
+    step_BS = position_ids_BS.diff(dim=-1) != 1
+    if not bool(step_BS.any()):
+        return None
+    if position_ids_BS.shape[0] > 1 and not bool((step_BS == step_BS[:1]).all()):
+        raise ValueError(
+            "packed rows have different document boundaries; upipe masks documents with one "
+            "set of boundaries per batch: pass one row per call (batch size 1) or rows packed "
+            "alike"
+        )
+    S = position_ids_BS.shape[-1]
+    inner = (torch.nonzero(step_BS[0]).flatten() + 1).tolist()
+    return (0, *inner, S)
 
 
 def causal_lm_loss(logits_BLV, labels_BL, *, group=None, mesh=None):
@@ -291,5 +391,6 @@ __all__ = [
     "HFContextParallelAttention",
     "apply_context_parallel",
     "causal_lm_loss",
+    "packed_boundaries",
     "shard_batch",
 ]
