@@ -2,12 +2,16 @@
 
     .venv/bin/python benchmarks/bench_train.py                       # the docs/train.md tables
     .venv/bin/python benchmarks/bench_train.py --seq-len 8192 --steps 20 --features ""
+    .venv/bin/python benchmarks/bench_train.py --strategies --features "" \
+        --precisions fp32,mixed,bf16 --seq-len 512 --steps 40 --lr 1e-3   # precision curves
 
 For each strategy (none runs on one process, the others on --nproc gloo ranks) it trains
 --steps steps of the tiny model and reports the loss curve, median tokens/s and the per-rank
 peak memory of a step; then, for --features-strategy, each memory feature alone and all
-together for --feature-steps steps, with the peak saved. A table, one JSON document
-(--json) and a PNG of the loss curves (--plot).
+together for --feature-steps steps, with the peak saved; then, with --precisions, the
+--precision-strategy run in fp32, in mixed precision (bf16 compute, fp32 master weights,
+gradients and AdamW states) and all in bf16, with each curve's distance from fp32. A table,
+one JSON document (--json) and a PNG of the loss curves (--plot).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ FEATURES = {
     "checkpoint": {"checkpoint": True},
     "fsdp": {"fsdp": True},
     "all": {"tiled_mlp": True, "chunked_loss": True, "checkpoint": True, "fsdp": True},
+}
+PRECISIONS = {
+    "fp32": {},
+    "mixed": {"dtype": "bfloat16"},
+    "bf16": {"dtype": "bfloat16", "master_dtype": "bfloat16"},
 }
 
 
@@ -62,10 +71,23 @@ def main() -> None:
     ap.add_argument("--features", default=",".join(FEATURES), help="comma-separated; '' none")
     ap.add_argument("--features-strategy", default="upipe")
     ap.add_argument("--feature-steps", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    ap.add_argument("--min-lr-ratio", type=float, default=TrainConfig.min_lr_ratio)
+    ap.add_argument("--precisions", default="", help=f"comma-separated of {','.join(PRECISIONS)}")
+    ap.add_argument("--precision-strategy", default="none")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--plot", metavar="PATH")
     args = ap.parse_args()
-    base = TrainConfig(model=args.model, seq_len=args.seq_len, steps=args.steps, plot=None)
+    base = TrainConfig(
+        model=args.model,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        min_lr_ratio=args.min_lr_ratio,
+        plot=None,
+    )
     rows = []
     for strategy in args.strategies:
         nproc = 1 if strategy == "none" else args.nproc
@@ -81,8 +103,22 @@ def main() -> None:
             print(f"== {fs} with {name}", flush=True)
             hist = run(dataclasses.replace(cfg, **FEATURES.get(name, {})), args.nproc)
             feature_rows.append(summarize(name, hist))
+    precision_rows = []
+    for name in [p for p in args.precisions.split(",") if p]:
+        ps = args.precision_strategy
+        nproc = 1 if ps == "none" else args.nproc
+        print(f"== {ps} in {name}", flush=True)
+        cfg = dataclasses.replace(base, strategy=ps, nproc=nproc, **PRECISIONS[name])
+        precision_rows.append(summarize(name, run(cfg, nproc)))
     print(format_tables(rows, feature_rows, args))
-    doc = {"config": vars(args), "strategies": rows, "features": feature_rows}
+    if precision_rows:
+        print(format_precisions(precision_rows, args))
+    doc = {
+        "config": vars(args),
+        "strategies": rows,
+        "features": feature_rows,
+        "precisions": precision_rows,
+    }
     print(json.dumps(doc))
     if args.json:
         with open(args.json, "w") as f:
@@ -117,6 +153,26 @@ def format_tables(rows, feature_rows, args) -> str:
                 f"{r['run']:<13} {p / mib:>13.1f} {1 - p / off:>7.1%} "
                 f"{r['tokens_per_s']:>9.0f} {r['losses'][-1]:>9.4f}"
             )
+    return "\n".join(out)
+
+
+def format_precisions(rows, args) -> str:
+    """Each precision's loss curve against the first row's (fp32): largest and mean gap."""
+    ref = rows[0]["losses"]
+    half = len(ref) // 2
+    out = [
+        "",
+        f"precision ({args.precision_strategy}, lr {args.lr:g}; gaps vs {rows[0]['run']}, nats)",
+        f"{'run':<6} {'loss last':>9} {'max gap':>9} {'mean gap, 2nd half':>18} "
+        f"{'peak MiB/rank':>13}",
+    ]
+    for r in rows:
+        gaps = [abs(a - b) for a, b in zip(r["losses"], ref, strict=True)]
+        out.append(
+            f"{r['run']:<6} {r['losses'][-1]:>9.4f} {max(gaps):>9.2e} "
+            f"{sum(gaps[half:]) / max(1, len(gaps) - half):>18.2e} "
+            f"{r['peak_memory_bytes'] / 2**20:>13.1f}"
+        )
     return "\n".join(out)
 
 

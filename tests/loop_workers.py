@@ -9,13 +9,16 @@ from upipe.train import Trainer
 
 
 def train_rows(rank, world_size, cfg):
-    """upipe.train.train(cfg)'s metrics, and the batch indices training and evaluation read."""
+    """upipe.train.train(cfg)'s metrics, and the token rows (lists) training and evaluation
+    read on this rank."""
     from upipe.train import train
 
     rows = train(cfg)
     trainer = Trainer(cfg, torch.device("cpu"))
-    read = [i for s in range(cfg.steps) for i in trainer.micro_batches(s)]
-    return rows, read, trainer.eval_batches()
+    read = [trainer.batch(i)[0] for s in range(cfg.steps) for i in trainer.micro_batches(s)]
+    held = [trainer.batch(i, held_out=True)[0] for i in trainer.eval_batches()]
+    flat = lambda batches: [row.tolist() for b in batches for row in b]  # noqa: E731
+    return rows, flat(read), flat(held)
 
 
 def losses(rank, world_size, cfg):

@@ -127,18 +127,20 @@ def test_resume_with_schedule_accumulation_and_masters(clusters, tmp_path, kw):
 
 
 def test_eval_metrics_and_tensorboard(clusters, tmp_path):
-    """eval_loss every 2 steps and at the end, on batches training never reads; the lr of
-    each step; the same scalars as TensorBoard events."""
+    """eval_loss every 2 steps and at the end, on the held-out documents (data.py's split:
+    no token of them in a training batch); the lr of each step; the same scalars as
+    TensorBoard events."""
     pytest.importorskip("tensorboard")
     from loop_workers import train_rows
 
     metrics, tb = tmp_path / "m.jsonl", tmp_path / "tb"
     cfg = small_config(
-        strategy="upipe", steps=3, eval_every=2, eval_batches=2, warmup_steps=1,
-        metrics_file=str(metrics), tensorboard=str(tb),
+        strategy="upipe", steps=3, eval_every=2, eval_batches=2, eval_fraction=0.3,
+        warmup_steps=1, metrics_file=str(metrics), tensorboard=str(tb),
     )  # fmt: skip
-    rows, train_idx, eval_idx = clusters(2).run(train_rows, cfg)[0]
-    assert not set(train_idx) & set(eval_idx) and len(eval_idx) == 2
+    rows, train_rows_, eval_rows = clusters(2).run(train_rows, cfg)[0]
+    assert len(eval_rows) == 2 * cfg.batch_size  # (rank 0's rows; the split: test_data.py)
+    assert not any(row in train_rows_ for row in eval_rows)
     assert [("eval_loss" in r) for r in rows] == [False, True, True]
     assert all(0 < r["eval_loss"] < 6 for r in rows[1:])
     assert [r["lr"] for r in rows] == pytest.approx([5e-3, 1e-2, 1e-3])  # warmup, peak, min
@@ -186,3 +188,20 @@ def test_defaults_are_a_plain_fp32_run():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warmup_cosine(cfg.steps - 1, warmup=0, total=cfg.steps, min_ratio=0.1) == 0.1
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"eval_every": 2, "eval_fraction": 0.0}, "--eval-every needs --eval-fraction in (0, 1)"),
+        ({"warmup_steps": -1}, "--warmup-steps, --eval-every and --grad-clip must be >= 0"),
+        ({"eval_batches": 0}, "--eval-batches must be >= 1, got 0"),
+        ({"dtype": "bfloat16", "master_dtype": "bfloat16"}, None),  # all bf16: allowed
+        ({"strategy": "ring", "seq_len": 1001}, None),  # any length: padded to 1008
+    ],
+)
+def test_loop_option_validation(kw, message):
+    from upipe.train.loop import validate
+
+    problem = validate(small_config(**kw), 4)
+    assert problem == message if message is None else message in problem

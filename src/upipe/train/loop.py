@@ -111,8 +111,11 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate the loss on held-out batches every this many steps and at the end (0: off)."""
     eval_batches: int = 4
-    """Batches per evaluation (each of --batch-size sequences per data-parallel rank), taken
-    from the token stream after the last training batch."""
+    """Batches per evaluation (each of --batch-size sequences per data-parallel rank), from
+    the held-out documents."""
+    eval_fraction: float = 0.01
+    """Share of the documents held out for evaluation, chosen by a hash of their text (with
+    --eval-every only: training then never reads them)."""
     checkpoint_dir: str | None = None
     """Save model + optimizer here (torch distributed checkpoint) at the end and every
     --checkpoint-every steps."""
@@ -151,6 +154,8 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
     if min(cfg.checkpoint_every, cfg.warmup_steps, cfg.eval_every, cfg.grad_clip) < 0:
         return "--checkpoint-every, --warmup-steps, --eval-every and --grad-clip must be >= 0"
+    if cfg.eval_every and not 0 < cfg.eval_fraction < 1:
+        return f"--eval-every needs --eval-fraction in (0, 1), got {cfg.eval_fraction}"
     if cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
         return f"--lr must be > 0 and --min-lr-ratio in [0, 1], got {cfg.lr}, {cfg.min_lr_ratio}"
     if DTYPES[cfg.master_dtype].itemsize < DTYPES[cfg.dtype].itemsize:
@@ -293,7 +298,8 @@ class Trainer:
             warmup_cosine, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
-        self.data = PackedTokens(cfg.data, seed=cfg.seed)
+        eval_fraction = cfg.eval_fraction if cfg.eval_every else 0.0
+        self.data = PackedTokens(cfg.data, seed=cfg.seed, eval_fraction=eval_fraction)
         self._positions = {}
 
     def positions(self, seq_len: int) -> torch.Tensor:
@@ -302,12 +308,14 @@ class Trainer:
             self._positions[seq_len] = self.cp.positions(seq_len)
         return self._positions[seq_len]
 
-    def batch(self, index: int):
+    def batch(self, index: int, *, held_out: bool = False):
         """This rank's (input_ids, labels, position_ids) `[B, L]` of batch `index` of the
-        token stream (`PackedTokens.batch`), padded at the end to a length the layout splits
-        evenly (`padded_length`; labels -100 there)."""
+        training stream (`PackedTokens.batch`; `held_out`: of the evaluation stream,
+        `PackedTokens.eval_batch`), padded at the end to a length the layout splits evenly
+        (`padded_length`; labels -100 there)."""
         cfg = self.cfg
-        ids_BS, labels_BS = self.data.batch(index, cfg.batch_size, cfg.seq_len)
+        read = self.data.eval_batch if held_out else self.data.batch
+        ids_BS, labels_BS = read(index, cfg.batch_size, cfg.seq_len)
         pad = (-cfg.seq_len) % self.cp_multiple
         if pad:
             ids_BS = torch.nn.functional.pad(ids_BS, (0, pad), value=0)
@@ -333,7 +341,8 @@ class Trainer:
         count = global_count(sum(count_valid(labels) for _, labels, _ in batches))
         total = 0.0
         for ids, labels, pos in batches:
-            # (document masking: the per-document boundaries, cu_seqlens, go to the model here)
+            # document masking: this row's cu_seqlens go to the model here (the padding at
+            # the end then needs a boundary of its own: [..., seq_len, padded length])
             loss_sum = self.model(ids, pos, labels)
             loss = global_token_mean(loss_sum, count_valid(labels), total_count=count)
             loss.backward()
@@ -359,19 +368,17 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
     def eval_batches(self) -> list[int]:
-        """Indices of this rank's held-out batches: the `cfg.eval_batches` batches per
-        data-parallel rank after the last one training reads (`cfg.steps` steps), so the
-        same whenever the evaluation runs. Held out as long as the corpus is longer than
-        the run reads (the stream repeats from its start when it runs out)."""
-        first = self.cfg.steps * self.dp * self.cfg.grad_accum
-        return [first + k * self.dp + self.dp_rank for k in range(self.cfg.eval_batches)]
+        """Indices of this rank's batches of the held-out stream (documents training never
+        reads, `PackedTokens.eval_batch`): the first `cfg.eval_batches` per data-parallel
+        rank, the same at every evaluation."""
+        return [k * self.dp + self.dp_rank for k in range(self.cfg.eval_batches)]
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss per valid token over the held-out batches of every rank."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for index in self.eval_batches():
-            ids, labels, pos = self.batch(index)
+            ids, labels, pos = self.batch(index, held_out=True)
             sums[0] += self.model(ids, pos, labels).double()
             sums[1] += count_valid(labels).double()
         dist.all_reduce(sums)
