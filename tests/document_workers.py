@@ -189,3 +189,22 @@ def run_module_docs_emulated(rank, world_size, cfg, kwargs, cu, dtype):
     cuda_emulation.install()
     varlen_emulation.install()
     return run_module_docs(rank, world_size, cfg, {**kwargs, "backend": "cuda"}, cu, dtype)
+
+
+def run_module_docs_mesh(rank, world_size, dims, cfg, kwargs, cu):
+    """ContextParallelAttention(mesh=) with documents; (positions, y, dx, weight grads)."""
+    mesh = mesh_of(dims)
+    layout = kwargs.get("layout", "zigzag")
+    x, dy, _ = make_module_inputs(**cfg)
+    S = x.shape[1]
+    layer = upipe.ContextParallelAttention(*(cfg.get(a) for a in MODULE_ARGS), mesh=mesh, **kwargs)
+    with torch.no_grad():
+        for n, t in make_weights(cfg).items():
+            getattr(layer, n).weight.copy_(t)
+    mine = sequence_positions(S, mesh=mesh, layout=layout)
+    pos = document_positions(cu, S)[mine][None].expand(x.shape[0], -1)
+    xs = shard_sequence(x, mesh=mesh, layout=layout).requires_grad_()
+    y = layer(xs, pos, cu_seqlens=torch.tensor(cu))
+    y.backward(shard_sequence(dy, mesh=mesh, layout=layout))
+    grads = {n: getattr(layer, n).weight.grad.double() for n in ("q_proj", "k_proj", "o_proj")}
+    return {"pos": mine, "y": y.detach().double(), "dx": xs.grad.double(), **grads}

@@ -26,6 +26,7 @@ from document_workers import (
     run_docs_mesh,
     run_module_docs,
     run_module_docs_emulated,
+    run_module_docs_mesh,
     varlen_calls,
 )
 from workers import make_module_inputs, make_weights
@@ -178,6 +179,27 @@ def test_module_matches_reference(clusters, world, kwargs, G):
     summed = {n: sum(r[n] for r in got) for n in names[2:]}  # weight grads: per-rank shares
     tol = TOL[torch.float32]["bwd"]
     _check([got[0]["y"], got[0]["dx"], *summed.values()], [ref[n] for n in names], tol, tol, names)
+
+
+@pytest.mark.parametrize("strategy", ["upipe", "ulysses"])
+def test_module_on_mesh_matches_reference(clusters, strategy):
+    """The module on ring 2 x ulysses 2: fused UPipe with ring attention per stage, and
+    Ulysses (= USP), both with documents."""
+    cfg = dict(B=1, S=S, dim=32, num_heads=8, num_kv_heads=2)
+    kwargs = {"strategy": strategy}
+    got = clusters(4).run(run_module_docs_mesh, (1, 2, 2), cfg, kwargs, CU["mixed"])
+    ref = module_doc_reference(cfg, CU["mixed"])
+    tol = TOL[torch.float32]["bwd"]
+    for r in got:
+        _check(
+            [r["y"], r["dx"]],
+            [ref["y"][:, r["pos"]], ref["dx"][:, r["pos"]]],
+            tol,
+            tol,
+            ("y", "dx"),
+        )
+    for n in ("q_proj", "k_proj", "o_proj"):
+        assert rel_err(sum(r[n] for r in got), ref[n]) < tol, n
 
 
 def test_model_plain_path_matches_reference():

@@ -1,8 +1,10 @@
 """Context-parallel attention strategies, one file each, listed in `registry`.
 
 The functional ops share one signature, `op(q, k, v, *, group | mesh, causal,
-softmax_scale, backend, layout)`: `usp_attention` takes a 2-D `mesh`, `ring_attention` and
-`ulysses_attention` a 1-D `group`, `upipe_attention` either (and `heads_per_stage`).
+softmax_scale, backend, layout, cu_seqlens)`: `usp_attention` takes a 2-D `mesh`,
+`ring_attention` and `ulysses_attention` a 1-D `group`, `upipe_attention` either (and
+`heads_per_stage`). `cu_seqlens` (document boundaries of packed sequences) is handled by
+`documents` (which kernel calls a block makes) and `varlen` (one CUDA call for all).
 `registry.STRATEGIES` says what each one needs (group or mesh, default layout, kv-head
 rule); `ContextParallelAttention` (module.py) is the layer that projects, applies RoPE and
 calls one of them.

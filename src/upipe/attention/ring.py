@@ -27,6 +27,12 @@ are the full softmax's. kv blocks go around the ring again; each block's dK/dV a
 (fp32, `dkv_2BLGd`) travels one step behind it, picking up every rank's contribution, and
 arrives at its owner after the last step. dq accumulates locally in fp32.
 
+Documents (`cu_seqlens`): a step's block becomes the list of kernel calls of
+`documents.block_calls` (one per document meeting both the query and the key segments of
+the layout); a step with none is skipped but still passes kv on. out starts at 0 and lse
+at -inf, so rows a call leaves out contribute nothing to the merge; in backward each call's
+dk/dv is added to the block's travelling accumulator.
+
 Saved for backward: q, k, v (inputs), out, lse. Heads are not split, so any H and G with
 G dividing H work (GQA/MQA without expanding K/V).
 """
