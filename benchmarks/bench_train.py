@@ -23,7 +23,7 @@ import statistics
 
 from upipe.launch import LocalCluster
 from upipe.train import TrainConfig, train
-from upipe.train.loop import validate
+from upipe.train.config import validate
 
 FEATURES = {
     "tiled_mlp": {"tiled_mlp": True},

@@ -16,7 +16,7 @@ from train_workers import small_config, train_and_save, train_steps
 from upipe.loss import count_valid, cross_entropy_sum, global_token_mean, shift_labels
 from upipe.model import CausalLM, get_config
 from upipe.model.features import checkpoint, tiled_recompute
-from upipe.train.loop import validate
+from upipe.train.config import validate
 
 # Training parity: same fp32 math, different reduction order. Gradients of one step are as
 # close as the attention itself (~1e-6); losses after a few AdamW steps stay within 1e-5.

@@ -13,7 +13,8 @@ import torch
 from conftest import rel_err
 from train_workers import small_config, train_and_save, train_steps
 
-from upipe.train.loop import TrainConfig, padded_length, plot_loss, warmup_cosine
+from upipe.train.config import TrainConfig, padded_length
+from upipe.train.loop import plot_loss, warmup_cosine
 
 # Same tolerances as tests/test_train.py: the same fp32 math summed in another order.
 LOSS_TOL, GRAD_TOL = 1e-5, 2e-5
@@ -201,7 +202,7 @@ def test_defaults_are_a_plain_fp32_run():
     ],
 )
 def test_loop_option_validation(kw, message):
-    from upipe.train.loop import validate
+    from upipe.train.config import validate
 
     problem = validate(small_config(**kw), 4)
     assert problem == message if message is None else message in problem

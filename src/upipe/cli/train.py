@@ -21,16 +21,9 @@ import torch.distributed as dist
 from upipe.cli.options import add_dataclass_options, config_from_args
 from upipe.launch import LocalCluster
 from upipe.model import get_config
+from upipe.train.config import TrainConfig, padded_length, validate
 from upipe.train.data import corpus_files
-from upipe.train.loop import (
-    TrainConfig,
-    have_matplotlib,
-    have_tensorboard,
-    padded_length,
-    summary,
-    train,
-    validate,
-)
+from upipe.train.loop import have_matplotlib, have_tensorboard, summary, train
 
 
 def add_command(sub) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from upipe.attention.registry import STRATEGIES, get_strategy
 from upipe.model import PRESETS, get_config
 from upipe.planner.step import StepSimulator
-from upipe.train.loop import TrainConfig, validate
+from upipe.train.config import TrainConfig, validate
 
 GiB = 2**30
 # the first and last blocks differ from the others (FSDP prefetch, the loss after the last

@@ -64,7 +64,8 @@ from upipe.torch_private import (
     flatten_mesh,
     unset_fake_temporarily,
 )
-from upipe.train.loop import DTYPES, Trainer, validate
+from upipe.train.config import DTYPES, validate
+from upipe.train.loop import Trainer
 
 HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
 _ITEM = torch.ops.aten._local_scalar_dense.default

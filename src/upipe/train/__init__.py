@@ -5,6 +5,7 @@ of an initialised default process group; `Trainer` is one rank's model, optimize
 checkpoints.
 """
 
-from upipe.train.loop import TrainConfig, Trainer, train
+from upipe.train.config import TrainConfig
+from upipe.train.loop import Trainer, train
 
 __all__ = ["TrainConfig", "Trainer", "train"]

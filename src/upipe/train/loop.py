@@ -22,204 +22,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from upipe.attention.registry import CLI_WORDS, STRATEGIES, check_heads, get_strategy
-from upipe.attention.schedule import check_heads_per_stage
 from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mean
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
-from upipe.model import PRESETS, CausalLM, ModelConfig, get_config
-from upipe.train.data import VOCAB_SIZE, PackedTokens
+from upipe.model import CausalLM, ModelConfig, get_config
+from upipe.train.config import DTYPES, TrainConfig, padded_length
+from upipe.train.data import PackedTokens
 from upipe.train.parallelize import (
     MasterWeights,
-    MemoryFeatures,
     allreduce_gradients,
     apply_fsdp,
     apply_memory_features,
     context_parallel,
     parallelize,
 )
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclasses.dataclass(kw_only=True)
-class TrainConfig:
-    model: str = dataclasses.field(default="tiny", metadata={"choices": sorted(PRESETS)})
-    """Model preset (the tiny one uses the byte vocabulary; others keep their shapes)."""
-    strategy: str = dataclasses.field(default="upipe", metadata={"choices": tuple(STRATEGIES)})
-    """Context-parallel strategy of the attention layers."""
-    nproc: int = 4
-    """Processes to spawn on this machine (gloo, CPU); ignored under torchrun."""
-    dp: int | None = None
-    """Data-parallel degree (default: 1, or every process for strategy none)."""
-    ring: int | None = None
-    """Ring degree inside the context-parallel group (default: all of it for ring, 2 for
-    usp, else 1; ring > 1 with upipe runs each stage as ring attention)."""
-    seq_len: int = 8192
-    """Tokens per sequence, split over the context-parallel ranks."""
-    batch_size: int = 1
-    """Sequences per step per data-parallel rank."""
-    steps: int = 20
-    """Optimizer steps (the total, counting steps done before a resume)."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate (reached after --warmup-steps, then decayed along a cosine)."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warmup from lr / (warmup + 1) to --lr."""
-    min_lr_ratio: float = 0.1
-    """The cosine decays the learning rate to this fraction of --lr at the last step (1:
-    constant after warmup)."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step (each of --batch-size sequences per data-parallel
-    rank); the loss is the mean over every token of all of them, as for one big batch."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0: off)."""
-    heads_per_stage: int | None = None
-    """UPipe heads per stage U (default: the ulysses size)."""
-    seed: int = 0
-    """Seed of the weights and of the document order."""
-    data: str | None = None
-    """Text/JSON-lines files or directories, comma-separated (default: the Python standard
-    library's sources)."""
-    dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
-    """Compute dtype: the weights forward and backward use, and the activations."""
-    master_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
-    """Dtype of the weights the optimizer updates (the masters), of their gradients (as
-    accumulated and reduced) and of the AdamW states. float32 with --dtype bfloat16 is mixed
-    precision (bf16 compute copy); bfloat16 keeps everything in bf16."""
-    tiled_mlp: bool = False
-    """Run the MLP in sequence tiles, recomputed in backward."""
-    mlp_tile: int = 1024
-    """Tokens per MLP tile."""
-    chunked_loss: bool = False
-    """Compute the cross-entropy in chunks (the full logits never exist)."""
-    loss_chunk: int = 1024
-    """Tokens per cross-entropy chunk."""
-    checkpoint: bool = False
-    """Activation checkpointing per block (keep only block inputs, recompute the rest)."""
-    offload: bool = False
-    """Keep the checkpointed block inputs in host memory (CUDA only; needs --checkpoint)."""
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer states over all ranks (FSDP2)."""
-    device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
-    """Device of each rank (cuda: one GPU per process, NCCL; launch with torchrun)."""
-    metrics_file: str | None = None
-    """Append one JSON line per step (step, loss, lr, tokens_per_s, peak_memory_bytes, ...,
-    eval_loss when evaluated)."""
-    tensorboard: str | None = None
-    """Also write the metrics as TensorBoard scalars to this directory (needs the
-    tensorboard package: pip install 'upipe[train]')."""
-    eval_every: int = 0
-    """Evaluate the loss on held-out batches every this many steps and at the end (0: off)."""
-    eval_batches: int = 4
-    """Batches per evaluation (each of --batch-size sequences per data-parallel rank), from
-    the held-out documents."""
-    eval_fraction: float = 0.01
-    """Share of the documents held out for evaluation, chosen by a hash of their text (with
-    --eval-every only: training then never reads them)."""
-    checkpoint_dir: str | None = None
-    """Save model + optimizer here (torch distributed checkpoint) at the end and every
-    --checkpoint-every steps."""
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: only at the end)."""
-    resume: bool = False
-    """Continue from the newest checkpoint in --checkpoint-dir."""
-    plot: str | None = "train_loss.png"
-    """Write the loss curve here (PNG; needs matplotlib, else skipped with a warning); ''
-    for none."""
-
-    def degrees(self, world: int) -> tuple[int, int, int]:
-        """(dp, ring, ulysses) for `world` processes."""
-        spec = get_strategy(self.strategy)
-        dp = self.dp or (1 if spec.context_parallel else world)
-        cp = max(1, world // dp)
-        ring = self.ring or spec.default_ring(cp)
-        return dp, ring, max(1, cp // ring)
-
-    def features(self) -> MemoryFeatures:
-        return MemoryFeatures(
-            tiled_mlp=self.mlp_tile if self.tiled_mlp else None,
-            loss_chunk=self.loss_chunk if self.chunked_loss else None,
-            checkpoint=self.checkpoint,
-            offload=self.offload,
-        )
-
-
-def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> str | None:
-    """The first problem with `cfg` on `world` processes, as a message naming the fix
-    (`model`: the model's shapes, if not those of the preset `cfg.model`)."""
-    m = model or get_config(cfg.model)
-    positive = ("nproc", "seq_len", "batch_size", "steps", "mlp_tile", "loss_chunk")
-    for name in (*positive, "grad_accum", "eval_batches"):
-        if getattr(cfg, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
-    if min(cfg.checkpoint_every, cfg.warmup_steps, cfg.eval_every, cfg.grad_clip) < 0:
-        return "--checkpoint-every, --warmup-steps, --eval-every and --grad-clip must be >= 0"
-    if cfg.eval_every and not 0 < cfg.eval_fraction < 1:
-        return f"--eval-every needs --eval-fraction in (0, 1), got {cfg.eval_fraction}"
-    if cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
-        return f"--lr must be > 0 and --min-lr-ratio in [0, 1], got {cfg.lr}, {cfg.min_lr_ratio}"
-    if DTYPES[cfg.master_dtype].itemsize < DTYPES[cfg.dtype].itemsize:
-        return (
-            f"--master-dtype {cfg.master_dtype} is less precise than the compute --dtype "
-            f"{cfg.dtype}: use --master-dtype {cfg.dtype}"
-        )
-    dp, ring, uly = cfg.degrees(world)
-    if world % dp:
-        return f"--dp {dp} must divide the number of processes ({world})"
-    cp, spec = world // dp, get_strategy(cfg.strategy)
-    if not spec.context_parallel and cp != 1:
-        return (
-            f"strategy {cfg.strategy} has no context parallelism: use --dp {world} "
-            "(or leave it out)"
-        )
-    if ring * uly != cp:
-        return f"--ring {ring} must divide the context-parallel size {cp} (= {world} / dp {dp})"
-    if spec.needs_ring_and_ulysses and not 1 < ring < cp:
-        return (
-            f"{cfg.strategy} needs 1 < --ring < {cp} (the context-parallel size); "
-            f"use ulysses or ring"
-        )
-    if spec.on_mesh_called and ring > 1:
-        name = spec.on_mesh_called
-        return f"{cfg.strategy} with --ring > 1 is {name}: use --strategy {name}"
-    problem = check_heads(
-        cfg.strategy,
-        m.n_heads,
-        m.n_kv_heads,
-        uly,
-        size="ulysses size",
-        words=CLI_WORDS,
-        what=cfg.model,
-    )
-    if problem:
-        return problem
-    if spec.heads_per_stage:
-        try:
-            check_heads_per_stage(m.n_heads, m.n_kv_heads, uly, cfg.heads_per_stage)
-        except ValueError as e:
-            return f"--heads-per-stage: {e}"
-    elif cfg.heads_per_stage is not None:
-        return "--heads-per-stage applies to --strategy upipe only"
-    if cfg.offload and not cfg.checkpoint:
-        return "--offload keeps the checkpointed block inputs on the host; add --checkpoint"
-    if cfg.resume and not cfg.checkpoint_dir:
-        return "--resume needs --checkpoint-dir"
-    if m.vocab_size >= VOCAB_SIZE:
-        return None
-    return f"{cfg.model} has a vocabulary of {m.vocab_size} < {VOCAB_SIZE} byte tokens"
-
-
-def padded_length(cfg: TrainConfig, world: int) -> int:
-    """The length a sequence of `cfg.seq_len` tokens is padded to: the next multiple of
-    what the layout splits evenly (C chunks, 2C for a zigzag layout or a ring in UPipe).
-
-    Padding goes at the end, with label `IGNORE_INDEX`: no padded position is counted by
-    the loss, and as attention is causal no real token attends to one, so the real tokens'
-    losses and gradients are those of the unpadded sequence (tested against one process)."""
-    dp, ring, uly = cfg.degrees(world)
-    layout = get_strategy(cfg.strategy).layout
-    multiple = ring * uly * (2 if layout == "zigzag" or ring > 1 else 1)
-    return cfg.seq_len + (-cfg.seq_len) % multiple
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
