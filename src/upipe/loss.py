@@ -96,15 +96,19 @@ def count_valid(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch
     return (labels != ignore_index).sum().float()
 
 
+def _checked(count: torch.Tensor) -> torch.Tensor:
+    if count.item() == 0:
+        raise ValueError("no valid tokens in the batch on any rank (every label is ignored)")
+    return count
+
+
 def global_count(num_valid: torch.Tensor, group=None) -> torch.Tensor:
     """`num_valid` summed over the ranks of `group` (fp32 scalar, the same on every rank);
     ValueError if it is 0 (every label ignored)."""
     count = num_valid.detach().float().clone()
     if group is not None or dist.is_initialized():
         dist.all_reduce(count, group=group)
-    if count.item() == 0:
-        raise ValueError("no valid tokens in the batch on any rank (every label is ignored)")
-    return count
+    return _checked(count)
 
 
 def global_token_mean(
@@ -123,9 +127,15 @@ def global_token_mean(
     of the step's mean, and the shares and their gradients add up to the mean over every
     token of every micro-batch -- gradient accumulation equals one big batch.
     """
-    if total_count is None:
-        total_count = global_count(num_valid, group)
-    total = loss_sum.detach().float().clone()
-    if group is not None or dist.is_initialized():
-        dist.all_reduce(total, group=group)
+    reduce = group is not None or dist.is_initialized()
+    if total_count is None:  # one all-reduce for both sums
+        sums = torch.stack([loss_sum.detach().float(), num_valid.detach().float()])
+        if reduce:
+            dist.all_reduce(sums, group=group)
+        total, total_count = sums.unbind()
+        _checked(total_count)
+    else:
+        total = loss_sum.detach().float().clone()
+        if reduce:
+            dist.all_reduce(total, group=group)
     return (loss_sum.float() + (total - loss_sum.detach().float())) / total_count
