@@ -16,11 +16,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     # local attention kernels, communication, mesh, RoPE, GEMMs, the loops that repeat their
     # memory, the spawned-ranks launcher, memory measurement (tracker, closed forms, fake
-    # process group)
+    # process group), line plots
     "base": (
         "upipe.torch_private", "upipe.kernels", "upipe.comm", "upipe.mesh", "upipe.rope",
         "upipe.gemm",
-        "upipe.loops", "upipe.launch", "upipe.memory",
+        "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",
     ),
     # the strategies, and the public API that re-exports them
     "attention": ("upipe.attention", "upipe"),

@@ -10,6 +10,7 @@ import torch
 
 import upipe
 from upipe.bench.peers import Method
+from upipe.plot import Panel, Series, save_plot
 
 
 def machine(device: str, nproc: int, threads: int, methods: list[Method]) -> dict:
@@ -73,12 +74,7 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
 def plot(rows: list[dict], path: str, *, title: str) -> None:
     """Peak memory per rank and median fwd+bwd time vs sequence length, a line per method
     (a method flagged wrong at any length is drawn dashed and labelled so)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    memory, time = [], []
     markers = "osD^vPX*"
     for i, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["seq_len"])
@@ -92,17 +88,21 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
         }
         label = name + (" (WRONG)" if wrong else "")
         xs = [r["seq_len"] for r in mine]
-        ax_mem.plot(xs, [r["peak_mib"] for r in mine], label=label, **style)
+        memory.append(Series(label=label, xs=xs, ys=[r["peak_mib"] for r in mine], style=style))
         timed = [r for r in mine if r["median_seconds"] is not None]
-        ax_time.plot([r["seq_len"] for r in timed], [r["median_seconds"] for r in timed], **style)
-    for ax, what in ((ax_mem, "peak memory per rank (MiB)"), (ax_time, "median fwd+bwd (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length S (tokens)")
-        ax.set_ylabel(what)
-        ax.grid(True, which="both", alpha=0.3)
-    fig.legend(loc="lower center", ncol=4, frameon=False, fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        time.append(
+            Series(
+                label=label,
+                xs=[r["seq_len"] for r in timed],
+                ys=[r["median_seconds"] for r in timed],
+                style=style,
+            )
+        )
+    length = "sequence length S (tokens)"
+    panels = [
+        Panel(series=memory, xlabel=length, ylabel="peak memory per rank (MiB)", xlog=True),
+        Panel(series=time, xlabel=length, ylabel="median fwd+bwd (s)", xlog=True),
+    ]
+    for panel in panels:
+        panel.ylog = True
+    save_plot(path, panels, title=title, size=(11, 4.2), legend_below=True)
