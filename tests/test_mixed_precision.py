@@ -65,3 +65,16 @@ def test_fsdp_mixed_precision_equals_masters_without_fsdp(clusters):
     plain = clusters(2).run(losses, small_config(**cfg))[0]
     assert fsdp[0] == plain[0]
     assert max(abs(a - b) / b for a, b in zip(fsdp, plain, strict=True)) < 1e-4
+
+
+def test_masters_with_recomputing_memory_features(clusters):
+    """MasterWeights under the reentrant recomputation of the memory features (checkpointed
+    blocks, tiled MLP, chunked loss re-run modules inside backward): every gradient still
+    reaches the fp32 masters -- one per tile, added in fp32 -- so the run trains as without
+    the features, to bf16 rounding."""
+    cfg = dict(strategy="upipe", dtype="bfloat16", steps=4)
+    features = dict(checkpoint=True, tiled_mlp=True, mlp_tile=16, chunked_loss=True)
+    plain = clusters(2).run(losses, small_config(**cfg))[0]
+    recomputed = clusters(2).run(losses, small_config(**cfg, **features, loss_chunk=24))[0]
+    assert max(abs(a - b) / b for a, b in zip(recomputed, plain, strict=True)) < 2**-9
+    assert recomputed[-1] < recomputed[0] - 0.5
