@@ -15,8 +15,9 @@ def train_rows(rank, world_size, cfg):
 
     rows = train(cfg)
     trainer = Trainer(cfg, torch.device("cpu"))
-    read = [trainer.batch(i)[0] for s in range(cfg.steps) for i in trainer.micro_batches(s)]
-    held = [trainer.batch(i, held_out=True)[0] for i in trainer.eval_batches()]
+    steps = range(cfg.steps)
+    read = [c[0] for s in steps for i in trainer.micro_batches(s) for c in trainer.batch(i)]
+    held = [c[0] for i in trainer.eval_batches() for c in trainer.batch(i, held_out=True)]
     flat = lambda batches: [row.tolist() for b in batches for row in b]  # noqa: E731
     return rows, flat(read), flat(held)
 

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from upipe.cli.options import add_dataclass_options, config_from_args
 from upipe.launch import LocalCluster
-from upipe.model import get_config
-from upipe.train.config import TrainConfig, padded_length, validate
+from upipe.train.config import TrainConfig, model_config, padded_length, validate
 from upipe.train.data import corpus_files
 from upipe.train.loop import have_matplotlib, have_tensorboard, summary, train
 
@@ -79,7 +78,7 @@ def _handle(ns, parser) -> int:
 
 def run(cfg: TrainConfig) -> int:
     """Train `cfg`: in this process under torchrun, else on `cfg.nproc` spawned CPU ranks."""
-    m = get_config(cfg.model)
+    m = model_config(cfg)
     if _under_torchrun():
         history = _run_torchrun(cfg)
         if history is None:
@@ -91,8 +90,9 @@ def run(cfg: TrainConfig) -> int:
             for n in ("tiled_mlp", "chunked_loss", "checkpoint", "offload", "fsdp")
             if getattr(cfg, n)
         ]
+        name = cfg.init_from_hf or cfg.model
         print(
-            f"{cfg.model} ({m.num_params() / 1e6:.2f}M parameters), strategy {cfg.strategy}, "
+            f"{name} ({m.num_params() / 1e6:.2f}M parameters), strategy {cfg.strategy}, "
             f"{cfg.nproc} CPU ranks (dp {dp} x ring {ring} x ulysses {uly}), "
             f"{cfg.seq_len} tokens per sequence, memory features: {features or 'none'}",
             flush=True,
@@ -106,7 +106,8 @@ def run(cfg: TrainConfig) -> int:
             f"to {cfg.min_lr_ratio:g}x); {cfg.grad_accum} micro-batch(es) per step"
             + (
                 f"; sequences padded to {padded} (the tail ignored)" if padded > cfg.seq_len else ""
-            ),
+            )
+            + ("; documents masked" if cfg.document_mask else "; attention across documents"),
             flush=True,
         )
         with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=1800) as cluster:
@@ -117,6 +118,7 @@ def run(cfg: TrainConfig) -> int:
         ("loss plot", cfg.plot),
         ("tensorboard", cfg.tensorboard),
         ("checkpoints", cfg.checkpoint_dir),
+        ("Hugging Face model", cfg.save_hf),
     ):
         if path:
             print(f"{what}: {path}")

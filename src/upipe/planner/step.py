@@ -362,13 +362,16 @@ class StepSimulator:
         )
 
 
-def _synthetic_batch(trainer, index: int):
-    """(input_ids, labels, position_ids) `[B, L]` of `trainer.cfg.seq_len` (padded as the
-    trainer pads it), as on a device."""
+def _synthetic_batch(trainer, index: int, *, held_out: bool = False) -> list[tuple]:
+    """`Trainer.batch` as one model call: (input_ids, labels, position_ids) `[B, L]` of
+    `trainer.cfg.seq_len` (padded as the trainer pads it), as on a device, and no document
+    boundaries: the plan is that of sequences of one document each. (With documents the
+    trainer runs the B rows one at a time, which holds less; on CUDA the documents of a
+    stage are one varlen kernel call, no larger than the dense one.)"""
     B, S = trainer.cfg.batch_size, trainer.cfg.seq_len
     pos_L = trainer.cp.positions(S + (-S) % trainer.cp_multiple)
     ids = torch.zeros(B, pos_L.numel(), dtype=torch.int64)
-    return ids, torch.zeros_like(ids), pos_L.expand(B, -1).contiguous()
+    return [(ids, torch.zeros_like(ids), pos_L.expand(B, -1).contiguous(), None)]
 
 
 def _measure(trainer, seq_len: int, explain: bool = False) -> StepMemory:

@@ -9,8 +9,8 @@ import torch
 
 from upipe.attention.registry import CLI_WORDS, STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage
-from upipe.model import PRESETS, ModelConfig, get_config
-from upipe.train.data import VOCAB_SIZE
+from upipe.model import PRESETS, ModelConfig, config_from_hf, get_config
+from upipe.train.data import VOCAB_SIZE, load_tokenizer
 from upipe.train.parallelize import MemoryFeatures
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,8 +52,21 @@ class TrainConfig:
     seed: int = 0
     """Seed of the weights and of the document order."""
     data: str | None = None
-    """Text/JSON-lines files or directories, comma-separated (default: the Python standard
-    library's sources)."""
+    """Text/JSON-lines files, saved Hugging Face datasets or directories, comma-separated
+    (default: the Python standard library's sources)."""
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer (tokenizer.json or its directory; default: bytes,
+    vocabulary 257). A preset model takes its vocabulary size."""
+    document_mask: bool = True
+    """Each token attends only within its own document of the packed sequence, positions
+    restart per document and a document's last token is not trained to predict the next
+    document (--no-document-mask: attend across documents, positions 0..S-1)."""
+    init_from_hf: str | None = None
+    """Start from this local Hugging Face Llama/Qwen3 model directory (config.json +
+    safetensors): its shapes replace --model's, its weights the seeded ones."""
+    save_hf: str | None = None
+    """At the end, save the trained weights here as a Hugging Face model directory
+    (config.json + model.safetensors, loadable by transformers)."""
     dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
     """Compute dtype: the weights forward and backward use, and the activations."""
     master_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
@@ -118,10 +131,27 @@ class TrainConfig:
         )
 
 
+def model_config(cfg: TrainConfig, vocab_size: int | None = None) -> ModelConfig:
+    """The shapes of the model `cfg` trains: those of --init-from-hf's config.json, else the
+    preset --model's, with the vocabulary of --tokenizer (`vocab_size`, if the caller has
+    the tokenizer loaded) when one is given."""
+    if cfg.init_from_hf:
+        return config_from_hf(cfg.init_from_hf)
+    if cfg.tokenizer is None:
+        return get_config(cfg.model)
+    if vocab_size is None:
+        vocab_size = load_tokenizer(cfg.tokenizer).vocab_size
+    return get_config(cfg.model, vocab_size=vocab_size)
+
+
 def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> str | None:
     """The first problem with `cfg` on `world` processes, as a message naming the fix
-    (`model`: the model's shapes, if not those of the preset `cfg.model`)."""
-    m = model or get_config(cfg.model)
+    (`model`: the model's shapes, if not those of `model_config(cfg)`)."""
+    try:
+        m = model or model_config(cfg)
+        vocab = VOCAB_SIZE if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer).vocab_size
+    except (ValueError, OSError) as e:
+        return str(e)
     positive = ("nproc", "seq_len", "batch_size", "steps", "mlp_tile", "loss_chunk")
     for name in (*positive, "grad_accum", "eval_batches"):
         if getattr(cfg, name) < 1:
@@ -178,9 +208,13 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
         return "--offload keeps the checkpointed block inputs on the host; add --checkpoint"
     if cfg.resume and not cfg.checkpoint_dir:
         return "--resume needs --checkpoint-dir"
-    if m.vocab_size >= VOCAB_SIZE:
+    if m.vocab_size >= vocab:
         return None
-    return f"{cfg.model} has a vocabulary of {m.vocab_size} < {VOCAB_SIZE} byte tokens"
+    tokens = "byte tokens" if cfg.tokenizer is None else f"token ids of {cfg.tokenizer}"
+    return (
+        f"the model's vocabulary ({m.vocab_size}) is smaller than the {vocab} {tokens}: use "
+        "another --tokenizer or a model whose vocabulary holds its ids"
+    )
 
 
 def padded_length(cfg: TrainConfig, world: int) -> int:

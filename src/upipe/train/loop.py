@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from upipe.comm import document_positions
 from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mean
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
-from upipe.model import CausalLM, ModelConfig, get_config
+from upipe.model import CausalLM, ModelConfig, load_hf_weights, save_hf_checkpoint
 from upipe.train.config import DTYPES, TrainConfig, padded_length
-from upipe.train.data import PackedTokens
+from upipe.train.config import model_config as train_model_config
+from upipe.train.data import PackedTokens, mask_document_ends
 from upipe.train.parallelize import (
     MasterWeights,
     allreduce_gradients,
@@ -88,7 +90,11 @@ class Trainer:
         self.dp, self.dp_rank = mesh["dp"].size(), self.mesh.get_local_rank("dp")
         self.cp_multiple = padded_length(dataclasses.replace(cfg, seq_len=1), world)
         compute, master = DTYPES[cfg.dtype], DTYPES[cfg.master_dtype]
-        config = model_config or get_config(cfg.model)
+        eval_fraction = cfg.eval_fraction if cfg.eval_every else 0.0
+        self.data = PackedTokens(
+            cfg.data, seed=cfg.seed, tokenizer=cfg.tokenizer, eval_fraction=eval_fraction
+        )
+        config = model_config or train_model_config(cfg, self.data.vocab_size)
         # built in the master dtype (no full-size cast: fake tensors in the planner cannot
         # be cast either): with FSDP on the meta device, then sharded, and only this rank's
         # shards are allocated (a 70B model never exists whole on a GPU); else on the
@@ -101,6 +107,8 @@ class Trainer:
             apply_fsdp(model, self.mesh, param_dtype=compute if compute != master else None)
             model.to_empty(device=device)
         model.init_weights(cfg.seed)
+        if cfg.init_from_hf:  # into the masters (sharded: each rank reads its shards)
+            load_hf_weights(model, cfg.init_from_hf)
         self.model = self.master = model
         if compute != master and not cfg.fsdp:  # a compute copy of the fp32 masters
             self.model = _build(config, compute, device)
@@ -114,8 +122,6 @@ class Trainer:
             warmup_cosine, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
-        eval_fraction = cfg.eval_fraction if cfg.eval_every else 0.0
-        self.data = PackedTokens(cfg.data, seed=cfg.seed, eval_fraction=eval_fraction)
         self._positions = {}
 
     def positions(self, seq_len: int) -> torch.Tensor:
@@ -124,23 +130,42 @@ class Trainer:
             self._positions[seq_len] = self.cp.positions(seq_len)
         return self._positions[seq_len]
 
-    def batch(self, index: int, *, held_out: bool = False):
-        """This rank's (input_ids, labels, position_ids) `[B, L]` of batch `index` of the
-        training stream (`PackedTokens.batch`; `held_out`: of the evaluation stream,
-        `PackedTokens.eval_batch`), padded at the end to a length the layout splits evenly
-        (`padded_length`; labels -100 there)."""
-        cfg = self.cfg
-        read = self.data.eval_batch if held_out else self.data.batch
+    def batch(self, index: int, *, held_out: bool = False) -> list[tuple]:
+        """This rank's part of batch `index` of the training stream (`PackedTokens.batch`;
+        `held_out`: of the evaluation stream, `PackedTokens.eval_batch`) as model calls:
+        (input_ids, labels, position_ids `[B', L]`, cu_seqlens or None).
+
+        The sequence is padded at the end to a length the layout splits evenly
+        (`padded_length`; labels -100 there). With document masking each row is its own
+        call (B' = 1), as rows are packed differently and a call takes one set of
+        boundaries: the row's documents (`PackedTokens.documents`), the padding as one more,
+        positions restarting per document, and no label on a document's last token (its
+        target, the next document's first token, is not visible to it). Without, one call
+        of B' = batch_size rows, positions 0 .. S-1."""
+        cfg, data = self.cfg, self.data
+        read = data.eval_batch if held_out else data.batch
         ids_BS, labels_BS = read(index, cfg.batch_size, cfg.seq_len)
-        pad = (-cfg.seq_len) % self.cp_multiple
-        if pad:
-            ids_BS = torch.nn.functional.pad(ids_BS, (0, pad), value=0)
-            labels_BS = torch.nn.functional.pad(labels_BS, (0, pad), value=IGNORE_INDEX)
-        pos = self.positions(cfg.seq_len + pad)
-        return tuple(
-            t.to(self.device)
-            for t in (ids_BS[:, pos], labels_BS[:, pos], pos.expand(cfg.batch_size, -1))
+        S = cfg.seq_len + (-cfg.seq_len) % self.cp_multiple
+        ids_BS = torch.nn.functional.pad(ids_BS, (0, S - cfg.seq_len), value=0)
+        labels_BS = torch.nn.functional.pad(labels_BS, (0, S - cfg.seq_len), value=IGNORE_INDEX)
+        pos_L = self.positions(S)
+        if not cfg.document_mask:
+            pos_BL = pos_L.expand(cfg.batch_size, -1)
+            return [
+                tuple(t.to(self.device) for t in (ids_BS[:, pos_L], labels_BS[:, pos_L], pos_BL))
+                + (None,)
+            ]
+        labels_BS = mask_document_ends(ids_BS, labels_BS, data.eos_id)
+        bounds = (data.eval_documents if held_out else data.documents)(
+            index, cfg.batch_size, cfg.seq_len
         )
+        calls = []
+        for b, cu in enumerate(bounds):
+            cu = (*cu.tolist(), S) if cfg.seq_len < S else tuple(cu.tolist())  # host ints
+            doc_pos_L = document_positions(cu, S)[pos_L]
+            row = (ids_BS[b : b + 1, pos_L], labels_BS[b : b + 1, pos_L], doc_pos_L[None])
+            calls.append(tuple(t.to(self.device) for t in row) + (cu,))
+        return calls
 
     def micro_batches(self, step: int) -> list[int]:
         """Indices of the batches of optimizer step `step` on this rank: its
@@ -153,13 +178,11 @@ class Trainer:
         """Loss of optimizer step `step`: the mean over every valid token of all its
         micro-batches on all ranks (the same on every rank). The gradients of that mean,
         summed over ranks, are in the masters' `.grad` (in the master dtype)."""
-        batches = [self.batch(i) for i in self.micro_batches(step)]
-        count = global_count(sum(count_valid(labels) for _, labels, _ in batches))
+        calls = [call for i in self.micro_batches(step) for call in self.batch(i)]
+        count = global_count(sum(count_valid(labels) for _, labels, _, _ in calls))
         total = 0.0
-        for ids, labels, pos in batches:
-            # document masking: this row's cu_seqlens go to the model here (the padding at
-            # the end then needs a boundary of its own: [..., seq_len, padded length])
-            loss_sum = self.model(ids, pos, labels)
+        for ids, labels, pos, cu_seqlens in calls:
+            loss_sum = self.model(ids, pos, labels, cu_seqlens=cu_seqlens)
             loss = global_token_mean(loss_sum, count_valid(labels), total_count=count)
             loss.backward()
             total += loss.item()
@@ -194,9 +217,9 @@ class Trainer:
         """Mean loss per valid token over the held-out batches of every rank."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for index in self.eval_batches():
-            ids, labels, pos = self.batch(index, held_out=True)
-            sums[0] += self.model(ids, pos, labels).double()
-            sums[1] += count_valid(labels).double()
+            for ids, labels, pos, cu_seqlens in self.batch(index, held_out=True):
+                sums[0] += self.model(ids, pos, labels, cu_seqlens=cu_seqlens).double()
+                sums[1] += count_valid(labels).double()
         dist.all_reduce(sums)
         return (sums[0] / sums[1]).item()
 
@@ -352,6 +375,8 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
         every = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (last or every):
             trainer.save(step + 1)
+    if cfg.save_hf:  # every rank (a sharded model is gathered); rank 0 writes
+        save_hf_checkpoint(trainer.master, cfg.save_hf, base_config=cfg.init_from_hf)
     if rank == 0:
         bar.close()
         if writer is not None:
