@@ -28,9 +28,9 @@ from upipe.train.config import validate
 FEATURES = {
     "tiled_mlp": {"tiled_mlp": True},
     "chunked_loss": {"chunked_loss": True},
-    "checkpoint": {"checkpoint": True},
+    "checkpoint": {"activation_checkpoint": True},
     "fsdp": {"fsdp": True},
-    "all": {"tiled_mlp": True, "chunked_loss": True, "checkpoint": True, "fsdp": True},
+    "all": {"tiled_mlp": True, "chunked_loss": True, "activation_checkpoint": True, "fsdp": True},
 }
 PRECISIONS = {
     "fp32": {},

@@ -2,10 +2,10 @@
 
     python examples/finetune_hf.py                        # small Llama built from a config
     python examples/finetune_hf.py --arch qwen3 --steps 5 --seq 8192 --text README.md
-    python examples/finetune_hf.py --checkpoint /path/to/local/model   # no download
+    python examples/finetune_hf.py --model-dir /path/to/local/model   # no download
 
 Each of the 4 spawned gloo ranks holds 1/4 of the sequence; `apply_context_parallel` makes
-every attention layer UPipe over the 4 ranks. Without --checkpoint the model is built from
+every attention layer UPipe over the 4 ranks. Without --model-dir the model is built from
 a config with random weights and reads raw bytes (vocabulary 256); with one, the text is
 tokenised by the checkpoint's tokenizer. Gradients are summed over the ranks (the loss is
 the mean over the whole sequence), then every rank takes the same AdamW step.
@@ -35,11 +35,11 @@ def load_model_and_tokens(args):
     import transformers
 
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
-    if args.checkpoint:
+    if args.model_dir:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.checkpoint, torch_dtype=torch.float32, local_files_only=True
+            args.model_dir, torch_dtype=torch.float32, local_files_only=True
         )
-        tok = transformers.AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+        tok = transformers.AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
         ids = tok(text, return_tensors="pt").input_ids[0]
     else:
         config = getattr(transformers, CONFIGS[args.arch])(
@@ -86,7 +86,7 @@ def train(rank, world_size, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=sorted(CONFIGS), default="llama")
-    p.add_argument("--checkpoint", help="a local Hugging Face model directory")
+    p.add_argument("--model-dir", help="a local Hugging Face model directory")
     p.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "README.md"))
     p.add_argument("--seq", type=int, default=4096, help="tokens (a multiple of 4)")
     p.add_argument("--steps", type=int, default=5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -164,7 +166,7 @@ def packed_reference(arch, bounds=PACKED_BOUNDS):
     model = build_model(arch)
     ids = make_batch()
     logits, loss_sum, count = [], 0.0, 0
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         part = model(input_ids=ids[:, a:b]).logits
         logits.append(part)
         if b - a > 1:

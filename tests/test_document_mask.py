@@ -231,7 +231,7 @@ def test_model_plain_path_matches_reference():
 
     model = CausalLM(ModelConfig(n_layers=2))
     model.init_weights(0)
-    model.checkpoint_blocks = True
+    model.recompute_blocks = True
     ids = torch.randint(0, 257, (2, S), generator=torch.Generator().manual_seed(0))
     bounds = CU["mixed"]
     packed = model(ids, pos, cu_seqlens=torch.tensor(bounds))

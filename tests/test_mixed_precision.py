@@ -73,7 +73,7 @@ def test_masters_with_recomputing_memory_features(clusters):
     reaches the fp32 masters -- one per tile, added in fp32 -- so the run trains as without
     the features, to bf16 rounding."""
     cfg = dict(strategy="upipe", dtype="bfloat16", steps=4)
-    features = dict(checkpoint=True, tiled_mlp=True, mlp_tile=16, chunked_loss=True)
+    features = dict(activation_checkpoint=True, tiled_mlp=True, mlp_tile=16, chunked_loss=True)
     plain = clusters(2).run(losses, small_config(**cfg))[0]
     recomputed = clusters(2).run(losses, small_config(**cfg, **features, loss_chunk=24))[0]
     assert max(abs(a - b) / b for a, b in zip(recomputed, plain, strict=True)) < 2**-9

@@ -13,7 +13,7 @@ import torch
 
 from upipe.memory import MemoryTracker
 from upipe.model import CausalLM, get_config
-from upipe.model.features import checkpoint
+from upipe.model.features import activation_checkpoint
 from upipe.model.offload import Offloader
 
 B, S, N_LAYERS = 2, 64, 4
@@ -22,7 +22,7 @@ B, S, N_LAYERS = 2, 64, 4
 def _model(offload: bool, n_layers: int = N_LAYERS) -> CausalLM:
     model = CausalLM(dataclasses.replace(get_config("tiny"), n_layers=n_layers))
     model.init_weights(0)
-    model.checkpoint_blocks = True
+    model.recompute_blocks = True
     model.offload = Offloader(n_layers) if offload else None
     return model
 
@@ -109,13 +109,13 @@ def test_offload_errors():
         Offloader(0)
     x = torch.randn(B, 8, 4, requires_grad=True)
     with pytest.raises(ValueError, match="block index 2 out of range for 2 blocks"):
-        checkpoint(torch.sin, x, offload=Offloader(2), index=2)
+        activation_checkpoint(torch.sin, x, offload=Offloader(2), index=2)
     for offload, index in (("cpu", 0), (Offloader(2), None)):
         with pytest.raises(ValueError, match="offload must be an upipe Offloader, with the"):
-            checkpoint(torch.sin, x, offload=offload, index=index)
+            activation_checkpoint(torch.sin, x, offload=offload, index=index)
     off = Offloader(1)
-    first = checkpoint(torch.sin, x, offload=off, index=0)
-    second = checkpoint(torch.cos, x * 2, offload=off, index=0)  # overwrites slot 0
+    first = activation_checkpoint(torch.sin, x, offload=off, index=0)
+    second = activation_checkpoint(torch.cos, x * 2, offload=off, index=0)  # overwrites slot 0
     second.sum().backward()
     with pytest.raises(RuntimeError, match="overwritten by a later forward"):
         first.sum().backward()
@@ -146,7 +146,7 @@ def test_planner_counts_the_arena():
     from upipe.train import TrainConfig
 
     cfg = TrainConfig(
-        model="tiny", strategy="ulysses", nproc=2, dtype="bfloat16", checkpoint=True,
+        model="tiny", strategy="ulysses", nproc=2, dtype="bfloat16", activation_checkpoint=True,
         offload=True, plot=None,
     )  # fmt: skip
     with StepSimulator(cfg, 2) as sim:

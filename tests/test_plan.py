@@ -52,8 +52,11 @@ def test_search_edges():
 CASES = [
     ("ulysses", {}),
     ("upipe", {"fsdp": True}),
-    ("ring", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 128}),
-    ("upipe", {"checkpoint": True, "chunked_loss": True, "loss_chunk": 128, "fsdp": True}),
+    ("ring", {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 128}),
+    (
+        "upipe",
+        {"activation_checkpoint": True, "chunked_loss": True, "loss_chunk": 128, "fsdp": True},
+    ),
 ]
 
 
@@ -61,9 +64,9 @@ CASES = [
     "strategy,kw",
     [
         ("ulysses", {}),
-        ("ulysses", {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 256, "fsdp": True,
-                     "chunked_loss": True, "loss_chunk": 256, "offload": True}),
-        ("upipe", {"checkpoint": True, "fsdp": True}),
+        ("ulysses", {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 256,
+                     "fsdp": True, "chunked_loss": True, "loss_chunk": 256, "offload": True}),
+        ("upipe", {"activation_checkpoint": True, "fsdp": True}),
         ("ring", {"tiled_mlp": True, "mlp_tile": 256}),
     ],
 )  # fmt: skip
@@ -83,11 +86,11 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
 @pytest.mark.parametrize(
     "strategy,world,kw",
     [
-        ("ulysses", 4, {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 96, "fsdp": True,
-                        "chunked_loss": True, "loss_chunk": 64, "offload": True}),
+        ("ulysses", 4, {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 96,
+                        "fsdp": True, "chunked_loss": True, "loss_chunk": 64, "offload": True}),
         ("upipe", 4, {"tiled_mlp": True, "mlp_tile": 128, "chunked_loss": True,
                       "loss_chunk": 96}),
-        ("ring", 4, {"checkpoint": True, "tiled_mlp": True, "mlp_tile": 64}),
+        ("ring", 4, {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 64}),
         ("usp", 8, {"ring": 4, "tiled_mlp": True, "mlp_tile": 128}),
         ("upipe", 8, {"ring": 4}),  # each UPipe stage a ring
     ],
@@ -129,7 +132,7 @@ def test_simulated_peak_equals_real_run(clusters, strategy, kw):
 def test_plan_end_to_end_small():
     pc = PlanConfig(
         model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
-        max_seq_len=8192, strategies=("ulysses", "upipe"), heads_per_stage=(1,), features=("on",),
+        max_seq_len=8192, strategies=("ulysses", "upipe"), stage_multiples=(1,), features=("on",),
         mlp_tile=256, loss_chunk=256,
     )  # fmt: skip
     res = plan(pc)
@@ -147,7 +150,7 @@ def test_plan_host_memory_budget_and_batch():
     fits shorter sequences."""
     pc = PlanConfig(
         model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
-        max_seq_len=8192, strategies=("upipe",), heads_per_stage=(1,), features=("on",),
+        max_seq_len=8192, strategies=("upipe",), stage_multiples=(1,), features=("on",),
         mlp_tile=256, loss_chunk=256, jobs=1,
     )  # fmt: skip
     free = plan(pc)["strategies"][0]
@@ -171,17 +174,18 @@ def test_feature_sets():
     from upipe.model import get_config
     from upipe.planner.plan import candidates
 
-    feats = ("off", "on", "mlp+checkpoint", "offload")
+    feats = ("off", "on", "mlp+recompute", "offload")
     pc = PlanConfig(model="tiny", gpus=2, strategies=("ulysses",), features=feats)
     rows = candidates(pc, get_config("tiny"))
     assert [r[0] for r in rows] == [
-        "ulysses", "ulysses +features", "ulysses +mlp+checkpoint", "ulysses +offload"
+        "ulysses", "ulysses +features", "ulysses +mlp+recompute", "ulysses +offload"
     ]  # fmt: skip
     (_, off, _), (_, on, _), (_, some, ok), (_, _, problem) = rows
-    assert not any(off.get(k) for k in ("tiled_mlp", "chunked_loss", "checkpoint", "offload"))
-    assert all(on[k] for k in ("tiled_mlp", "chunked_loss", "checkpoint", "offload"))
-    assert some["tiled_mlp"] and some["checkpoint"] and not some.get("chunked_loss")
-    assert ok is None and "--checkpoint" in problem  # offload needs checkpointing
+    features = ("tiled_mlp", "chunked_loss", "activation_checkpoint", "offload")
+    assert not any(off.get(k) for k in features)
+    assert all(on[k] for k in features)
+    assert some["tiled_mlp"] and some["activation_checkpoint"] and not some.get("chunked_loss")
+    assert ok is None and "--activation-checkpoint" in problem  # offload needs checkpointing
     with pytest.raises(ValueError, match="unknown \\['tiles'\\]"):
         candidates(dataclasses.replace(pc, features=("tiles",)), get_config("tiny"))
 
@@ -214,7 +218,7 @@ def test_candidates_on_an_odd_gpu_count():
     from upipe.model import get_config
     from upipe.planner.plan import candidates
 
-    pc = PlanConfig(model="llama3-8b", gpus=6, features=("on",), heads_per_stage=(1,))
+    pc = PlanConfig(model="llama3-8b", gpus=6, features=("on",), stage_multiples=(1,))
     rows = {label: (kw, problem) for label, kw, problem in candidates(pc, get_config("llama3-8b"))}
     assert rows["ring +features"][1] is None and rows["usp 3x2 +features"][1] is None
     assert rows["ring +features"][0]["seq_len"] == 196608

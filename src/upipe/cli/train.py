@@ -87,7 +87,7 @@ def run(cfg: TrainConfig) -> int:
         dp, ring, uly = cfg.degrees(cfg.nproc)
         features = [
             n
-            for n in ("tiled_mlp", "chunked_loss", "checkpoint", "offload", "fsdp")
+            for n in ("tiled_mlp", "chunked_loss", "activation_checkpoint", "offload", "fsdp")
             if getattr(cfg, n)
         ]
         name = cfg.init_from_hf or cfg.model
@@ -104,9 +104,7 @@ def run(cfg: TrainConfig) -> int:
         print(
             f"precision: {precision}; lr {cfg.lr:g} (warmup {cfg.warmup_steps} steps, cosine "
             f"to {cfg.min_lr_ratio:g}x); {cfg.grad_accum} micro-batch(es) per step"
-            + (
-                f"; sequences padded to {padded} (the tail ignored)" if padded > cfg.seq_len else ""
-            )
+            + (f"; sequences padded to {padded} (the tail ignored)" if padded > cfg.seq_len else "")
             + ("; documents masked" if cfg.document_mask else "; attention across documents"),
             flush=True,
         )

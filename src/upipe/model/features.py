@@ -106,7 +106,7 @@ class _Checkpoint(torch.autograd.Function):
         return (x_BLD.grad, None, None, None) + (None,) * len(ctx.args)
 
 
-def checkpoint(
+def activation_checkpoint(
     fn, x_BLD: torch.Tensor, *args, offload: Offloader | None = None, index: int | None = None
 ) -> torch.Tensor:
     """`fn(x, *args)` saving only x for backward (recomputing the rest there).

@@ -11,7 +11,7 @@ parameters. Inputs are token ids with their *global* positions, so the same code
 whole sequence or on one rank's shard of it.
 
 Memory features (settable attributes, off by default, none changes the math):
-`CausalLM.checkpoint_blocks` (+ `offload`, an `upipe.model.offload.Offloader`), `MLP.tile_tokens`,
+`CausalLM.recompute_blocks` (+ `offload`, an `upipe.model.offload.Offloader`), `MLP.tile_tokens`,
 `CausalLM.loss_chunk_tokens`.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 from upipe.comm import check_cu_seqlens
 from upipe.loss import cross_entropy_sum
 from upipe.model.config import ModelConfig
-from upipe.model.features import checkpoint, tiled_recompute
+from upipe.model.features import activation_checkpoint, tiled_recompute
 from upipe.model.offload import Offloader
 from upipe.rope import apply_rope, rope_cos_sin
 
@@ -135,7 +135,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.checkpoint_blocks = False
+        self.recompute_blocks = False
         self.offload: Offloader | None = None
         self.loss_chunk_tokens: int | None = None
 
@@ -167,8 +167,8 @@ class CausalLM(nn.Module):
         h_BLD = self.model.embed_tokens(input_ids_BL)
         for i, block in enumerate(self.model.layers):
             args = (h_BLD, position_ids_BL, cu_seqlens)
-            if self.checkpoint_blocks:
-                h_BLD = checkpoint(block, *args, offload=self.offload, index=i)
+            if self.recompute_blocks:
+                h_BLD = activation_checkpoint(block, *args, offload=self.offload, index=i)
             else:
                 h_BLD = block(*args)
         return self.model.norm(h_BLD)

@@ -2,8 +2,9 @@
 backward, copied on a side stream, and each comes back one block ahead of its backward.
 
 One `Offloader(n_blocks)` serves all the blocks of a model (`CausalLM.offload`, set by
-`upipe.train.apply_memory_features` when training on CUDA); `upipe.model.features.checkpoint`
-calls it. Forward, block i: `save(x_i, i)` copies its input into slot i of a host arena.
+`upipe.train.apply_memory_features` when training on CUDA);
+`upipe.model.features.activation_checkpoint` calls it. Forward, block i: `save(x_i, i)`
+copies its input into slot i of a host arena.
 Backward (blocks i = n-1, ..., 0): `load` returns x_i on the device (fetched then only for
 the last block; the others were prefetched), block i recomputes its forward, and
 `prefetch(i - 1)` starts bringing back x_{i-1} while block i's backward computes.

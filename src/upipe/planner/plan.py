@@ -32,7 +32,7 @@ GiB = 2**30
 # 3 and 4 match the full depth exactly (tests/test_plan.py, docs/plan.md)
 EXTRAPOLATION_DEPTHS = (3, 4)
 GROWTH = 16  # the search's longest jump beyond a length known to fit
-FEATURES = ("mlp", "loss", "checkpoint", "offload")  # the memory features, by --features name
+FEATURES = ("mlp", "loss", "recompute", "offload")  # the memory features, by --features name
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,12 +55,14 @@ class PlanConfig:
     max_seq_len: int = 16 * 2**20
     """Longest sequence considered."""
     strategies: tuple[str, ...] = tuple(STRATEGIES)
-    """Strategies to plan (upipe once per --heads-per-stage)."""
-    heads_per_stage: tuple[int, ...] = (1, 2)
-    """UPipe heads per stage, in multiples of the ulysses size."""
+    """Strategies to plan (upipe once per --stage-multiples)."""
+    stage_multiples: tuple[int, ...] = (1, 2)
+    """UPipe candidates' heads per stage U, as multiples of the ulysses size (1: U = the
+    ulysses size, one head per rank per stage)."""
     features: tuple[str, ...] = ("off", "on")
     """Memory feature sets to plan: off, on (all four), or some of mlp (tiled MLP), loss
-    (chunked loss), checkpoint, offload joined by '+', e.g. mlp+loss+checkpoint."""
+    (chunked loss), recompute (activation checkpointing), offload joined by '+', e.g.
+    mlp+loss+recompute."""
     mlp_tile: int = 16384
     """Tokens per MLP tile (with features)."""
     loss_chunk: int = 8192
@@ -146,7 +148,7 @@ def feature_set(name: str) -> tuple[str, ...]:
     if unknown:
         raise ValueError(
             f"--features {name!r}: unknown {unknown}; use off, on, or some of "
-            f"{', '.join(FEATURES)} joined by '+' (e.g. mlp+loss+checkpoint)"
+            f"{', '.join(FEATURES)} joined by '+' (e.g. mlp+loss+recompute)"
         )
     return names
 
@@ -162,7 +164,7 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     rows = []
     for strategy in pc.strategies:
         spec = get_strategy(strategy)
-        stages = pc.heads_per_stage if spec.heads_per_stage else (None,)
+        stages = pc.stage_multiples if spec.heads_per_stage else (None,)
         for mult in stages:
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
@@ -186,7 +188,7 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                     kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile)
                 if "loss" in on:
                     kw.update(chunked_loss=True, loss_chunk=pc.loss_chunk)
-                kw.update(checkpoint="checkpoint" in on, offload="offload" in on)
+                kw.update(activation_checkpoint="recompute" in on, offload="offload" in on)
                 if on:
                     label += " +features" if feat == "on" else f" +{feat}"
                 cfg = TrainConfig(**kw, plot=None)
@@ -225,7 +227,7 @@ def plan(pc: PlanConfig, progress=None) -> dict:
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # slowest first (features recompute every block; UPipe runs stages): workers end together
-    todo.sort(key=lambda t: (not t[2].get("checkpoint"), "heads_per_stage" not in t[2]))
+    todo.sort(key=lambda t: (not t[2].get("activation_checkpoint"), "heads_per_stage" not in t[2]))
     with ProcessPoolExecutor(min(pc.jobs, len(todo)), mp_context=mp.get_context("spawn")) as ex:
         futures = {ex.submit(_search, pc, model, budget, label, kw): row for row, label, kw in todo}
         for future in as_completed(futures):

@@ -81,10 +81,11 @@ class TrainConfig:
     """Compute the cross-entropy in chunks (the full logits never exist)."""
     loss_chunk: int = 1024
     """Tokens per cross-entropy chunk."""
-    checkpoint: bool = False
+    activation_checkpoint: bool = False
     """Activation checkpointing per block (keep only block inputs, recompute the rest)."""
     offload: bool = False
-    """Keep the checkpointed block inputs in host memory (CUDA only; needs --checkpoint)."""
+    """Keep the checkpointed block inputs in host memory (CUDA only; needs
+    --activation-checkpoint)."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer states over all ranks (FSDP2)."""
     device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
@@ -126,7 +127,7 @@ class TrainConfig:
         return MemoryFeatures(
             tiled_mlp=self.mlp_tile if self.tiled_mlp else None,
             loss_chunk=self.loss_chunk if self.chunked_loss else None,
-            checkpoint=self.checkpoint,
+            activation_checkpoint=self.activation_checkpoint,
             offload=self.offload,
         )
 
@@ -204,8 +205,10 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
             return f"--heads-per-stage: {e}"
     elif cfg.heads_per_stage is not None:
         return "--heads-per-stage applies to --strategy upipe only"
-    if cfg.offload and not cfg.checkpoint:
-        return "--offload keeps the checkpointed block inputs on the host; add --checkpoint"
+    if cfg.offload and not cfg.activation_checkpoint:
+        return (
+            "--offload keeps the checkpointed block inputs on the host; add --activation-checkpoint"
+        )
     if cfg.resume and not cfg.checkpoint_dir:
         return "--resume needs --checkpoint-dir"
     if m.vocab_size >= vocab:

@@ -103,20 +103,22 @@ class MemoryFeatures:
     """Run the MLP in sequence tiles of this many tokens, recomputed in backward."""
     loss_chunk: int | None = None
     """Compute the cross-entropy this many tokens at a time (no [L, V] logits)."""
-    checkpoint: bool = False
+    activation_checkpoint: bool = False
     """Activation checkpointing per block (only each block's input is kept)."""
     offload: bool = False
-    """Keep the checkpointed block inputs in host memory (CUDA; needs checkpoint)."""
+    """Keep the checkpointed block inputs in host memory (CUDA; needs activation_checkpoint)."""
 
 
 def apply_memory_features(model: CausalLM, features: MemoryFeatures, device) -> CausalLM:
     """Switch the features on (the model's attributes; see `upipe.model.llama`)."""
-    if features.offload and not features.checkpoint:
-        raise ValueError("offload keeps the checkpointed block inputs on the host; add checkpoint")
+    if features.offload and not features.activation_checkpoint:
+        raise ValueError(
+            "offload keeps the checkpointed block inputs on the host; add activation_checkpoint"
+        )
     for block in model.model.layers:
         block.mlp.tile_tokens = features.tiled_mlp
     model.loss_chunk_tokens = features.loss_chunk
-    model.checkpoint_blocks = features.checkpoint
+    model.recompute_blocks = features.activation_checkpoint
     on_device = torch.device(device).type not in ("cpu", "meta")
     offload = features.offload and on_device  # (on the CPU the inputs are in host memory already)
     model.offload = Offloader(len(model.model.layers)) if offload else None
