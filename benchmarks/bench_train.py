@@ -22,6 +22,7 @@ import json
 import statistics
 
 from upipe.launch import LocalCluster
+from upipe.plot import Panel, Series, save_plot
 from upipe.train import TrainConfig, train
 from upipe.train.config import validate
 
@@ -177,23 +178,19 @@ def format_precisions(rows, args) -> str:
 
 
 def plot(rows, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for r in rows:
-        steps = range(1, len(r["losses"]) + 1)
-        ax.plot(steps, r["losses"], label=f"{r['run']} ({r['nproc']} proc)", alpha=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"{args.model}, S={args.seq_len}: same curve for every strategy", fontsize=9)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
-    print(f"wrote {args.plot}")
+    series = [
+        Series(
+            label=f"{r['run']} ({r['nproc']} proc)",
+            xs=list(range(1, len(r["losses"]) + 1)),
+            ys=r["losses"],
+            style={"alpha": 0.8},
+        )
+        for r in rows
+    ]
+    title = f"{args.model}, S={args.seq_len}: same curve for every strategy"
+    panel = Panel(series=series, xlabel="step", ylabel="loss (nats/token)", title=title)
+    if save_plot(args.plot, [panel], size=(6, 3.5)):
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -157,9 +157,9 @@ def test_eval_metrics_and_tensorboard(clusters, tmp_path):
 
 
 def test_plot_without_matplotlib_warns_and_skips(monkeypatch, tmp_path):
-    import upipe.train.loop as loop
+    import upipe.plot
 
-    monkeypatch.setattr(loop, "have_matplotlib", lambda: False)
+    monkeypatch.setattr(upipe.plot, "have_matplotlib", lambda: False)
     path = tmp_path / "loss.png"
     with pytest.warns(UserWarning, match="matplotlib is not installed"):
         plot_loss([{"step": 1, "loss": 1.0}], str(path), "t")

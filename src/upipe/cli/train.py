@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from upipe.cli.options import add_dataclass_options, config_from_args
 from upipe.launch import LocalCluster
+from upipe.plot import have_matplotlib
 from upipe.train.config import TrainConfig, model_config, padded_length, validate
 from upipe.train.data import corpus_files
-from upipe.train.loop import have_matplotlib, have_tensorboard, summary, train
+from upipe.train.loop import have_tensorboard, summary, train
 
 
 def add_command(sub) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from upipe.attention.registry import STRATEGIES, get_strategy
 from upipe.model import PRESETS, get_config
 from upipe.planner.step import StepSimulator
+from upipe.plot import Panel, Series, save_plot
 from upipe.train.config import TrainConfig, validate
 
 GiB = 2**30
@@ -322,30 +323,23 @@ def table(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> None:
-    """Peak memory vs sequence length per strategy, with the budget line (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {}  # one color per strategy; solid with the memory features, dotted without
+    """Peak memory vs sequence length per strategy, with the budget line (PNG, `upipe.plot`)."""
+    colors, series = {}, []  # one color per strategy; solid with the memory features
     for r in res["strategies"]:
         if r.get("points"):
             base = r["strategy"].split(" +")[0]
             color = colors.setdefault(base, f"C{len(colors)}")
-            style = ".-" if base != r["strategy"] else ".:"
             pts = sorted((p["seq_len"], p["peak_bytes"]) for p in r["points"])
+            style = {"fmt": ".-" if base != r["strategy"] else ".:", "color": color}
             xs, ys = [s / 1e6 for s, _ in pts], [b / GiB for _, b in pts]
-            ax.plot(xs, ys, style, color=color, label=r["strategy"])
-    ax.axhline(res["budget_bytes"] / GiB, color="k", ls="--", label="budget")
-    ax.set_xlabel("sequence length (millions of tokens)")
-    ax.set_ylabel("peak memory per GPU (GiB)")
-    c = res["config"]
-    ax.set_title(f"{c['model']} on {c['gpus']} x {c['gpu_memory_gib']:g} GiB", fontsize=9)
-    ax.set_ylim(0, 1.5 * res["budget_bytes"] / GiB)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            series.append(Series(label=r["strategy"], xs=xs, ys=ys, style=style))
+    c, budget = res["config"], res["budget_bytes"] / GiB
+    panel = Panel(
+        series=series,
+        xlabel="sequence length (millions of tokens)",
+        ylabel="peak memory per GPU (GiB)",
+        title=f"{c['model']} on {c['gpus']} x {c['gpu_memory_gib']:g} GiB",
+        ylim=(0, 1.5 * budget),
+        hlines=[(budget, "budget")],
+    )
+    save_plot(path, [panel], size=(7, 4.5))

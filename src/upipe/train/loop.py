@@ -16,7 +16,6 @@ import json
 import math
 import os
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mea
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
 from upipe.model import CausalLM, ModelConfig, load_hf_weights, save_hf_checkpoint
+from upipe.plot import Panel, Series, save_plot
 from upipe.train.config import DTYPES, TrainConfig, padded_length
 from upipe.train.config import model_config as train_model_config
 from upipe.train.data import PackedTokens, mask_document_ends
@@ -388,45 +388,31 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     return history
 
 
-def have_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
-
-
 def have_tensorboard() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
 def plot_loss(history: list[dict], path: str, title: str) -> None:
-    """Loss (and the held-out loss, if evaluated) vs step as a PNG; without matplotlib (an
-    optional dependency: pip install 'upipe[train]') a warning and no plot."""
-    if not have_matplotlib():
-        warnings.warn(
-            f"no loss plot written to {path}: matplotlib is not installed "
-            "(pip install 'upipe[train]', or --plot '' to silence this)",
-            stacklevel=2,
-        )
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Loss (and the held-out loss, if evaluated) vs step as a PNG (`upipe.plot`: without
+    matplotlib, an optional dependency, a warning and no plot)."""
     steps = [r["step"] for r in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["loss"] for r in history], marker="." if len(steps) < 50 else None)
+    train = Series(
+        label="train",
+        xs=steps,
+        ys=[r["loss"] for r in history],
+        style={"marker": "." if len(steps) < 50 else None},
+    )
     evals = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
+    series = [train]
     if evals:
-        ax.plot(*zip(*evals, strict=True), "o--", label="held-out")
-        ax.plot([], [], label="train", color="C0")
-        ax.legend(fontsize=8)
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        xs, ys = zip(*evals, strict=True)
+        series.append(Series(label="held-out", xs=list(xs), ys=list(ys), style={"fmt": "o--"}))
+    else:
+        train.label = None
+    panel = Panel(
+        series=series, xlabel="step", ylabel="loss (nats/token)", title=title, integer_x=True
+    )
+    save_plot(path, [panel], size=(6, 3.5))
 
 
 def summary(history: list[dict]) -> str:
