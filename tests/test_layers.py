@@ -19,7 +19,7 @@ LAYERS = {
     # process group), line plots
     "base": (
         "upipe.torch_private", "upipe.kernels", "upipe.comm", "upipe.mesh", "upipe.rope",
-        "upipe.gemm",
+        "upipe.gemm", "upipe.comm_uneven",
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",
     ),
     # the strategies, and the public API that re-exports them

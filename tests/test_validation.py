@@ -17,19 +17,12 @@ def _q(*shape):
 
 
 BAD = [  # (description, per-rank (q, k, v) shapes or a list by rank, kwargs, error, match)
-    (
-        "H not divisible by C",
-        (_q(1, 8, 3, 8), _q(1, 8, 3, 8), _q(1, 8, 3, 8)),
+    (  # heads C does not divide are split unevenly (tests/test_uneven_heads.py)
+        "fewer query heads than ranks",
+        (_q(1, 8, 1, 8), _q(1, 8, 1, 8), _q(1, 8, 1, 8)),
         {},
         "ValueError",
-        r"query heads \(3\) must be divisible by the context-parallel size \(2\)",
-    ),
-    (
-        "G not divisible by C",
-        (S4, _q(1, 8, 1, 8), _q(1, 8, 1, 8)),
-        {},
-        "ValueError",
-        r"kv heads \(1\) must be divisible by the context-parallel size \(2\)",
+        r"query heads \(1\) must be at least the context-parallel size \(2\)",
     ),
     (
         "G does not divide H",
@@ -90,13 +83,6 @@ BAD = [  # (description, per-rank (q, k, v) shapes or a list by rank, kwargs, er
 
 UPIPE_BAD = [
     (
-        "G and C do not divide one another",
-        (_q(1, 8, 6, 8), _q(1, 8, 3, 8), _q(1, 8, 3, 8)),
-        {},
-        "ValueError",
-        r"kv heads \(3\) and the context-parallel size \(2\) must divide one another",
-    ),
-    (
         "U not a multiple of C",
         (S4, S4, S4),
         {"heads_per_stage": 3},
@@ -119,6 +105,13 @@ UPIPE_BAD = [
         r"heads_per_stage \(8\) must divide the number of query heads \(12\)",
     ),
     (
+        "U past one stage of an uneven split",
+        (_q(1, 8, 5, 8), _q(1, 8, 5, 8), _q(1, 8, 5, 8)),
+        {"heads_per_stage": 8},
+        "ValueError",
+        r"heads_per_stage \(8\) must be at most 6 .*valid values.*: \[2, 4, 6\]",
+    ),
+    (
         "U does not fit the GQA schedule",
         (_q(1, 8, 12, 8), _q(1, 8, 4, 8), _q(1, 8, 4, 8)),
         {"heads_per_stage": 4},
@@ -134,9 +127,7 @@ UPIPE_BAD = [
         r"ranks disagree.*heads_per_stage",
     ),
 ]
-CASES = [("ulysses", c) for c in BAD] + [
-    ("upipe", c) for c in BAD + UPIPE_BAD if c[0] != "G not divisible by C"
-]
+CASES = [("ulysses", c) for c in BAD] + [("upipe", c) for c in BAD + UPIPE_BAD]
 
 
 @pytest.mark.parametrize("strategy,case", CASES, ids=[f"{s}: {c[0]}" for s, c in CASES])
@@ -193,15 +184,15 @@ MODULE_BAD = [
         r"heads_per_stage applies to strategy='upipe' only",
     ),
     (
-        dict(dim=48, num_heads=6, num_kv_heads=2),
-        r"num_heads \(6\) must be divisible by the "
-        r"context-parallel size \(4\); use a size in \[1, 2, 3, 6\]",
+        dict(dim=48, num_heads=2, num_kv_heads=2),
+        r"num_heads \(2\) must be at least the context-parallel size \(4\).*"
+        r"use a size of at most 2, or strategy='ring'",
     ),
     (dict(dim=32, num_heads=8, num_kv_heads=3), r"num_kv_heads \(3\) must divide num_heads"),
     (dict(dim=30, num_heads=4, num_kv_heads=2), r"dim \(30\) is not divisible by num_heads"),
     (
-        dict(dim=32, num_heads=8, num_kv_heads=2, strategy="ulysses"),
-        r"strategy 'ulysses' needs num_kv_heads \(2\) divisible .* use strategy='upipe'",
+        dict(dim=24, num_heads=6, num_kv_heads=2, heads_per_stage=12),
+        r"heads_per_stage \(12\) must be at most 8 .*: \[4, 8\]",
     ),
     (dict(dim=32, num_heads=8, num_kv_heads=8, heads_per_stage=6), r"heads_per_stage \(6\)"),
     (

@@ -136,8 +136,8 @@ def mesh_call_errors(rank, world_size):
         "positions both": lambda: sequence_positions(8, rank=0, world_size=4, mesh=mesh),
         "positions neither": lambda: sequence_positions(8),
         "usp not a mesh": lambda: upipe.usp_attention(ok, ok, ok, mesh=world),
-        "usp heads": lambda: upipe.usp_attention(*(torch.randn(1, 4, 3, 8),) * 3, mesh=mesh),
-        "usp kv heads": lambda: upipe.usp_attention(ok, *(torch.randn(1, 4, 1, 8),) * 2, mesh=mesh),
+        "usp heads": lambda: upipe.usp_attention(*(torch.randn(1, 4, 1, 8),) * 3, mesh=mesh),
+        "usp kv heads": lambda: upipe.usp_attention(ok, *(torch.randn(1, 4, 3, 8),) * 2, mesh=mesh),
         "usp one rank differs": lambda: upipe.usp_attention(mine, mine, mine, mesh=mesh),
         "upipe both": lambda: upipe.upipe_attention(ok, ok, ok, group=world, mesh=mesh),
         "upipe layout on group": lambda: upipe.upipe_attention(
@@ -150,8 +150,8 @@ def mesh_call_errors(rank, world_size):
         "module layout on group": lambda: upipe.ContextParallelAttention(
             16, 4, 2, group=world, layout="diagonal"
         ),
-        "module kv heads": lambda: upipe.ContextParallelAttention(
-            16, 4, 1, mesh=mesh, strategy="ulysses"
+        "module heads": lambda: upipe.ContextParallelAttention(
+            16, 1, 1, mesh=mesh, strategy="ulysses"
         ),
     }
     return {name: _error(call) for name, call in cases.items()}
@@ -163,7 +163,7 @@ def mesh_replica_errors(rank, world_size):
     mesh = mesh_of((2, 1, 2))
     dp = mesh.get_local_rank("dp")
     t = torch.randn(1, 4 + 2 * dp, 4, 8)  # replica 1 has longer shards: fine
-    bad = torch.randn(1, 4, 3 if rank == 3 else 4, 8)  # rank 3 (replica 1) is invalid
+    bad = torch.randn(1, 4, 1 if rank == 3 else 4, 8)  # rank 3 (replica 1): 1 head on 2 ranks
     return {
         "replicas differ": _error(lambda: upipe.usp_attention(t, t, t, mesh=mesh)),
         "one replica bad": _error(lambda: upipe.usp_attention(bad, bad, bad, mesh=mesh)),

@@ -123,14 +123,21 @@ def seq_to_head(x_BLHd: torch.Tensor, group, layout: str = "contiguous", *, asyn
     send_CBLhd = x_BLHd.unflatten(2, (C, H // C)).permute(2, 0, 1, 3, 4).contiguous()
 
     def finish(recv_CBLhd):  # recv[c] = rank c's tokens for my heads
-        if layout == "zigzag":  # chunk c < C is rank c's first half, chunk 2C-1-c its second
-            halves_C2BLhd = recv_CBLhd.unflatten(2, (2, L // 2)).transpose(1, 2)
-            chunks_2CBLhd = torch.cat([halves_C2BLhd[:, 0], halves_C2BLhd[:, 1].flip(0)])
-            _release(recv_CBLhd, keep=chunks_2CBLhd)
-            return chunks_2CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
-        return recv_CBLhd.transpose(0, 1).reshape(B, C * L, H // C, d)
+        return _in_sequence_order(recv_CBLhd, layout)
 
     return _exchange(send_CBLhd, group, async_op, finish, keep=x_BLHd)
+
+
+def _in_sequence_order(recv_CBLhd: torch.Tensor, layout: str) -> torch.Tensor:
+    """[C, B, L, h, d] (rank c's tokens for my heads) -> [B, S, h, d] in sequence order;
+    the received buffer is released where a copy was made (zigzag)."""
+    C, B, L, h, d = recv_CBLhd.shape
+    if layout == "zigzag":  # chunk c < C is rank c's first half, chunk 2C-1-c its second
+        halves_C2BLhd = recv_CBLhd.unflatten(2, (2, L // 2)).transpose(1, 2)
+        chunks_2CBLhd = torch.cat([halves_C2BLhd[:, 0], halves_C2BLhd[:, 1].flip(0)])
+        _release(recv_CBLhd, keep=chunks_2CBLhd)
+        return chunks_2CBLhd.transpose(0, 1).reshape(B, C * L, h, d)
+    return recv_CBLhd.transpose(0, 1).reshape(B, C * L, h, d)
 
 
 def head_to_seq(x_BShd: torch.Tensor, group, layout: str = "contiguous", *, async_op: bool = False):
@@ -141,13 +148,7 @@ def head_to_seq(x_BShd: torch.Tensor, group, layout: str = "contiguous", *, asyn
     if C == 1:
         return Done(x_BShd) if async_op else x_BShd
     B, S, h, d = x_BShd.shape
-    # send_CBLhd[c] = rank c's tokens for my heads
-    if layout == "zigzag":  # rank c's tokens: chunk c, then chunk 2C-1-c
-        chunks_B2Cchd = x_BShd.unflatten(1, (2 * C, S // (2 * C)))
-        pairs_BC2chd = torch.stack([chunks_B2Cchd[:, :C], chunks_B2Cchd[:, C:].flip(1)], dim=2)
-        send_CBLhd = pairs_BC2chd.flatten(2, 3).transpose(0, 1).contiguous()
-    else:
-        send_CBLhd = x_BShd.unflatten(1, (C, S // C)).transpose(0, 1).contiguous()
+    send_CBLhd = _blocks_by_rank(x_BShd, C, layout)
 
     def finish(recv_CBLhd):  # recv[c] = my tokens for the heads of rank c
         # a copy (made contiguous: when h = 1, reshape may return a strided view of recv)
@@ -156,6 +157,17 @@ def head_to_seq(x_BShd: torch.Tensor, group, layout: str = "contiguous", *, asyn
         return out_BLHd
 
     return _exchange(send_CBLhd, group, async_op, finish, keep=x_BShd)
+
+
+def _blocks_by_rank(x_BShd: torch.Tensor, C: int, layout: str) -> torch.Tensor:
+    """[B, S, h, d] in sequence order -> [C, B, L, h, d], block c = rank c's tokens in
+    `layout` (a contiguous copy: the send buffer of the head -> sequence exchange)."""
+    S = x_BShd.shape[1]
+    if layout == "zigzag":  # rank c's tokens: chunk c, then chunk 2C-1-c
+        chunks_B2Cchd = x_BShd.unflatten(1, (2 * C, S // (2 * C)))
+        pairs_BC2chd = torch.stack([chunks_B2Cchd[:, :C], chunks_B2Cchd[:, C:].flip(1)], dim=2)
+        return pairs_BC2chd.flatten(2, 3).transpose(0, 1).contiguous()
+    return x_BShd.unflatten(1, (C, S // C)).transpose(0, 1).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,12 +47,23 @@ def check_group(group) -> int:
 
 
 def check_qkv_local(
-    q, k, v, *, C: int, causal, softmax_scale, backend, replicate_kv: bool, size_name=None
+    q,
+    k,
+    v,
+    *,
+    C: int,
+    causal,
+    softmax_scale,
+    backend,
+    replicate_kv: bool,
+    size_name=None,
+    uneven: bool = False,
 ):
     """Checks one rank can make without talking to the others. Raises TypeError/ValueError.
 
     Heads are split over C ranks, called `size_name` in messages (default: the
-    context-parallel size; on a mesh, the ulysses size)."""
+    context-parallel size; on a mesh, the ulysses size). With `uneven` the strategy splits
+    any head counts (`upipe.attention.uneven`): it only needs C <= H."""
     cp = size_name or "context-parallel size"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -84,11 +95,18 @@ def check_qkv_local(
         raise ValueError(
             f"kv heads ({G}) must divide query heads ({H}); valid kv head counts: {_divisors(H)}"
         )
-    if H % C:
+    if uneven:
+        if H < C:
+            raise ValueError(
+                f"query heads ({H}) must be at least the {cp} ({C}): every rank gets at least "
+                f"one head; use a size of at most {H}, or ring attention (whole heads on every "
+                f"rank)"
+            )
+    elif H % C:
         raise ValueError(
             f"query heads ({H}) must be divisible by the {cp} ({C}); use a size in {_divisors(H)}"
         )
-    if replicate_kv:
+    elif replicate_kv:
         if G % C and C % G:
             raise ValueError(
                 f"kv heads ({G}) and the {cp} ({C}) must divide one another "
@@ -252,6 +270,7 @@ def validate_qkv(
     extra_signature=None,
     agree=None,
     split_heads=True,
+    uneven=False,
 ):
     """Full validation of a strategy's (q, k, v) on every rank.
 
@@ -261,7 +280,8 @@ def validate_qkv(
     the ulysses size). `extra_signature` adds
     options all ranks must agree on. `extra` is an optional callable(C) with
     strategy-specific local checks, called once the common checks passed (so q, k, v are
-    valid 4-D tensors by then).
+    valid 4-D tensors by then). `uneven`: the strategy splits heads unevenly where C does not
+    divide them (`check_qkv_local`).
     """
     C = check_group(group)
 
@@ -276,6 +296,7 @@ def validate_qkv(
             backend=backend,
             replicate_kv=replicate_kv,
             size_name=None if agree is None else "ulysses size",
+            uneven=uneven and split_heads,
         )
         if extra is not None:
             extra(C)

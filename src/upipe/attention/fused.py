@@ -48,6 +48,7 @@ from upipe.attention.stage import StageAttention
 from upipe.attention.staged_layer import DxAccumulator, FusedPlan, Prep, StagedLayer, staged
 from upipe.attention.upipe import accumulate
 from upipe.comm import HeadExchange, Together
+from upipe.comm_uneven import to_seq
 from upipe.kernels import acc_dtype, resolve_backend, uses_cuda_kernels
 
 
@@ -60,9 +61,9 @@ def _forward(layer: StagedLayer):
         k_BSkd, v_BSkd = layer.kv(rnd)
         stages = staged(len(rnd.stages), functools.partial(layer.q, rnd), plan.overlap)
         for s, q_BSud in stages:
-            out_BSud, lse_BuS = plan.attn.forward(q_BSud, k_BSkd, v_BSkd)
+            out_BSud, lse_BuS = rnd.stage_attention(plan.attn, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
-            out_BLUd = plan.ex.to_seq(out_BSud)
+            out_BLUd = to_seq(plan.ex, out_BSud, rnd.q_split(s))
             del out_BSud
             layer.gemm_acc_(y32_ND, out_BLUd.view(N, -1), layer.wo_cols(rnd, s).t())
             out_slices.append(out_BLUd)
@@ -79,9 +80,9 @@ def _backward_exchanges(layer: StagedLayer, dy_ND, dwo_DHd, out_slices, rnd, s):
     out_BLUd = out_slices.pop(0)
     dout_BLUd = (dy_ND @ layer.wo_cols(rnd, s)).view(B, L, -1, d)
     put_q(dwo_DHd, 1, rnd, s, (dy_ND.t() @ out_BLUd.view(N, -1)).view(D, -1, d))
-    out = layer.to_head(out_BLUd)
+    out = layer.to_head(out_BLUd, rnd.q_split(s))
     del out_BLUd
-    dout = layer.to_head(dout_BLUd)
+    dout = layer.to_head(dout_BLUd, rnd.q_split(s))
     del dout_BLUd
     return Together(q, out, dout)
 
@@ -139,14 +140,14 @@ def _backward(dy, layer: StagedLayer, out_slices, lse_list):
         dk32_BSkd = dv32_BSkd = None
         start = functools.partial(_backward_exchanges, layer, dy_ND, grads.wo_DHd, out_slices, rnd)
         for s, (q_BSud, out_BSud, dout_BSud) in staged(len(rnd.stages), start, plan.overlap):
-            dq_BSud, dk_BSkd, dv_BSkd = plan.attn.backward(
+            dq_BSud, dk_BSkd, dv_BSkd = rnd.stage_attention(plan.attn, s).backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_list.pop(0)
             )
             del dout_BSud, q_BSud, out_BSud
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            dq_BLUd = ex.to_seq(dq_BSud)
+            dq_BLUd = to_seq(ex, dq_BSud, rnd.q_split(s))
             del dq_BSud
             dq_BLUd, dnorm = layer.q_prep.backward(
                 dq_BLUd, x_ND, layer.q_rows(rnd, s), layer.q_bias(rnd, s)
@@ -173,7 +174,7 @@ def _send_back_kv(layer: StagedLayer, rnd, name, d32_BSkd, grads: _Grads, dx: Dx
     k preparation's backward, into dW, the bias gradient and dx. Frees the sum once sent."""
     N, D, d = layer.B * layer.L, layer.D, layer.d
     w_GdD, b_Gd = (layer.wk_GdD, layer.bk_Gd) if name == "k" else (layer.wv_GdD, layer.bv_Gd)
-    g_BLnd = layer.plan.ex.to_seq(d32_BSkd.to(layer.x.dtype))
+    g_BLnd = to_seq(layer.plan.ex, d32_BSkd.to(layer.x.dtype), rnd.kv_split)
     del d32_BSkd
     if name == "k":
         rows, b_rows = layer.kv_rows(w_GdD, rnd), layer.kv_bias(b_Gd, rnd)

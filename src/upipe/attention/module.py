@@ -34,7 +34,7 @@ from upipe.attention.common import (
 )
 from upipe.attention.fused import fused_upipe_attention
 from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strategy
-from upipe.attention.schedule import check_heads_per_stage, plan_rounds
+from upipe.attention.schedule import check_heads_per_stage, plan_schedule
 from upipe.attention.usp import usp_attention
 from upipe.comm import check_layout_name
 from upipe.rope import apply_rope, rope_cos_sin
@@ -112,7 +112,8 @@ class ContextParallelAttention(nn.Module):
         self.rounds = None  # the stage schedule of a staged strategy (upipe's fused op)
         if spec.heads_per_stage:
             heads_per_stage = check_heads_per_stage(num_heads, num_kv_heads, C, heads_per_stage)
-            self.rounds = plan_rounds(num_heads, num_kv_heads, C, heads_per_stage)
+            rank = torch.distributed.get_rank(ulysses)
+            self.rounds = plan_schedule(num_heads, num_kv_heads, C, heads_per_stage, rank)
         elif heads_per_stage is not None or overlap:
             staged = [name for name in MODULE_STRATEGIES if get_strategy(name).heads_per_stage]
             what = "heads_per_stage" if heads_per_stage is not None else "overlap"

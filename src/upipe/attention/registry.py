@@ -14,16 +14,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from upipe.attention.common import _divisors
 from upipe.attention.ring import ring_attention
 from upipe.attention.ulysses import ulysses_attention
 from upipe.attention.upipe import upipe_attention
 from upipe.attention.usp import usp_attention
 
 # kv-head rules over C ranks (the ulysses size), and the rule of query heads:
-SPLIT = "split"  # kv heads split across the ranks: G divisible by C
-REPLICATE = "replicate"  # split, or replicated when fewer: G and C divide one another
+SPLIT = "split"  # kv heads go with their query heads (Ulysses: shared where a group straddles)
+REPLICATE = "replicate"  # as SPLIT, or replicated m = C / G times on an even split (UPipe)
 WHOLE = "whole"  # whole heads on every rank (the sequence is split, never the heads)
+# SPLIT and REPLICATE accept the same head counts: any G dividing H, with C <= H; where C
+# does not divide H or G the heads are split unevenly (`upipe.attention.uneven`).
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +71,8 @@ class Strategy:
 
     @property
     def splits_heads(self) -> bool:
-        """Whether the query heads are split across the ulysses ranks (H divisible by C)."""
+        """Whether the query heads are split across the ulysses ranks (evenly where C divides
+        H and G, else `upipe.attention.uneven`)."""
         return self.kv_heads != WHOLE
 
 
@@ -144,35 +146,24 @@ def group_strategies() -> tuple[str, ...]:
 
 def heads_problem(name: str, H: int, G: int, C: int) -> str | None:
     """The head rule of strategy `name` that H query and G kv heads over C (ulysses) ranks
-    break: "heads" (H not divisible by C), SPLIT (G not divisible by C) or REPLICATE (G and
-    C do not divide one another); None if none."""
+    break: "heads" (fewer query heads than ranks, for a strategy that splits heads); None if
+    none. Head counts C does not divide are split unevenly (`upipe.attention.uneven`; the
+    largest rank holds ceil(H/C) heads). That G divides H is the model's rule, checked
+    where the model is built."""
     s = STRATEGIES[name]
-    if s.splits_heads and H % C:
+    if s.splits_heads and H < C:
         return "heads"
-    if s.kv_heads == SPLIT and G % C:
-        return SPLIT
-    if s.kv_heads == REPLICATE and G % C and C % G:
-        return REPLICATE
     return None
-
-
-def _replicating() -> str:
-    return next(name for name, s in STRATEGIES.items() if s.kv_heads == REPLICATE)
 
 
 # How each caller names things: a ValueError from a constructor, or a command-line message.
 MODULE_WORDS = {
-    "heads": "num_heads ({H}) must be divisible by the {size} ({C}); use a size in {H_sizes}",
-    SPLIT: "strategy '{name}' needs num_kv_heads ({G}) divisible by the {size} ({C}); use "
-    "strategy='{fix}' (replicates kv heads) or a size in {G_sizes}",
-    REPLICATE: "num_kv_heads ({G}) and the {size} ({C}) must divide one another",
+    "heads": "num_heads ({H}) must be at least the {size} ({C}): every rank gets a query "
+    "head; use a size of at most {H}, or strategy='ring' (whole heads on every rank)",
 }
 CLI_WORDS = {
-    "heads": "{what} has {H} heads, not divisible by the {size} {C}; use a size dividing {H}, "
-    "or --strategy ring",
-    SPLIT: "{name} needs the {G} kv heads divisible by the {size} {C}; use --strategy {fix} "
-    "(it replicates kv heads)",
-    REPLICATE: "kv heads ({G}) and the {size} ({C}) must divide one another",
+    "heads": "{what} has {H} heads, fewer than the {size} {C}; use a size of at most {H}, or "
+    "--strategy ring",
 }
 
 
@@ -184,14 +175,4 @@ def check_heads(
     problem = heads_problem(name, H, G, C)
     if problem is None:
         return None
-    return words[problem].format(
-        name=name,
-        H=H,
-        G=G,
-        C=C,
-        size=size,
-        what=what,
-        fix=_replicating(),
-        H_sizes=_divisors(H),
-        G_sizes=_divisors(G),
-    )
+    return words[problem].format(name=name, H=H, G=G, C=C, size=size, what=what)

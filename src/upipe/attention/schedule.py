@@ -18,6 +18,10 @@ Head lists are rank-major, so after the all-to-all rank r holds query heads [u o
 and kv heads [k], and local query i uses local kv head i // u' (standard GQA locally).
 U = H gives one round of one stage: plain Ulysses.
 
+When C does not divide H, or G and C do not divide one another, the heads are split
+unevenly instead (`uneven.plan_uneven`: rounds of `uneven.UnevenRound`, which the functions
+below accept alike; U then is any multiple of C up to C * ceil(H / C)).
+
 No index tensors: query head h = vk * g' + i sits at (vk, i) of the [G', g'] head grid, and
 a stage takes the rectangle rows `first .. first + width - 1` (the round's virtual kv
 heads), columns `s * u' .. s * u' + u' - 1` -- a strided view (`select_q`). A round's
@@ -33,6 +37,9 @@ import dataclasses
 import functools
 
 import torch
+
+from upipe.attention import uneven
+from upipe.attention.uneven import UnevenRound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +59,31 @@ class Round:
     stage_width: int
     """u': query heads of each virtual kv head in one stage."""
 
+    # The interface shared with `uneven.UnevenRound` (heads split unevenly over the ranks):
+    @property
+    def sums_kv(self) -> bool:
+        """Whether kv gradients are summed (replicated heads) rather than put in place."""
+        return self.replicas > 1
+
+    kv_split = None
+    """per-rank kv head counts of the exchange; None: equal (the even exchange)"""
+
+    def q_split(self, s: int) -> None:
+        """per-rank query head counts of stage s's exchange; None: equal"""
+        return None
+
+    def stage_attention(self, attn, s: int):
+        """the attention stage s runs (every rank's heads are standard GQA: `attn` itself)"""
+        return attn
+
 
 def select_q(t: torch.Tensor, dim: int, rnd: Round, stage: int) -> torch.Tensor:
     """Stage `stage` of `rnd`'s query heads of t (H heads at `dim`), as a view with the heads
     at dims (dim, dim + 1) = [width, u']; `.flatten(dim, dim + 1)` lists them in the order of
-    `rnd.stages[stage]` (a copy, as the heads are strided)."""
+    `rnd.stages[stage]` (a copy, as the heads are strided). An `UnevenRound`'s: a copy,
+    rank-major, as [1, n] at (dim, dim + 1)."""
+    if isinstance(rnd, UnevenRound):
+        return uneven.gather(t, dim, rnd.stages[stage]).unsqueeze(dim)
     grid = t.unflatten(dim, (-1, rnd.per_kv))
     rows = grid.narrow(dim, rnd.first, rnd.width)
     return rows.narrow(dim + 1, stage * rnd.stage_width, rnd.stage_width)
@@ -64,6 +91,8 @@ def select_q(t: torch.Tensor, dim: int, rnd: Round, stage: int) -> torch.Tensor:
 
 def put_q(dst: torch.Tensor, dim: int, rnd: Round, stage: int, src: torch.Tensor) -> None:
     """dst's query heads of the stage (H heads at `dim`) <- src (U heads at `dim`)."""
+    if isinstance(rnd, UnevenRound):
+        return uneven.scatter_(dst, dim, rnd.stages[stage], src)
     view = select_q(dst, dim, rnd, stage)
     view.copy_(src.view(view.shape))
 
@@ -75,7 +104,9 @@ def _real_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
 def select_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
     """The round's C * k virtual kv heads of t (G real heads at `dim`), in the order of
     `rnd.kv_heads`: a view, or with replicas (G < C) a copy repeating each real head m
-    times."""
+    times. An `UnevenRound`'s: every rank's kv heads, rank-major (a copy)."""
+    if isinstance(rnd, UnevenRound):
+        return uneven.gather(t, dim, rnd.kv)
     real = _real_kv(t, dim, rnd)
     if rnd.replicas == 1:
         return real
@@ -87,6 +118,8 @@ def select_kv(t: torch.Tensor, dim: int, rnd: Round) -> torch.Tensor:
 def add_kv_(acc: torch.Tensor, dim: int, rnd: Round, g: torch.Tensor) -> None:
     """In place: acc's kv heads of the round (G at `dim`) += g (C * k at `dim`), the m
     replicas of a head summed in acc's dtype (fp32 accumulators take bf16 parts)."""
+    if isinstance(rnd, UnevenRound):
+        return uneven.scatter_add_(acc, dim, rnd.kv, g)
     parts = g.unflatten(dim, (-1, rnd.replicas)).sum(dim + 1, dtype=acc.dtype)
     _real_kv(acc, dim, rnd).add_(parts)
 
@@ -99,17 +132,23 @@ def put_kv(dst: torch.Tensor, dim: int, rnd: Round, g: torch.Tensor) -> None:
 
 def valid_heads_per_stage(H: int, G: int, C: int) -> list[int]:
     """All supported values of U for these head counts and group size."""
-    return [U for U in range(C, H + 1, C) if _problem(H, G, C, U) is None]
+    top = C * -(-H // C)  # C * ceil(H / C): one stage (on an uneven split)
+    return [U for U in range(C, top + 1, C) if _problem(H, G, C, U) is None]
 
 
 def _problem(H: int, G: int, C: int, U: int) -> str | None:
-    if H % G or H % C or (G % C and C % G):
+    if H % G or H < C:
         return (
-            f"cannot be scheduled: {H} query heads and {G} kv heads need G | H, C | H and "
-            f"G, C dividing one another (C = {C})"
+            f"cannot be scheduled: {H} query heads and {G} kv heads need G | H and at least "
+            f"C = {C} query heads"
         )
     if U % C:
         return f"must be a multiple of the context-parallel size ({C})"
+    if uneven.is_uneven(H, G, C):  # stages of u = U / C of each rank's heads
+        top = C * -(-H // C)
+        if top < U:
+            return f"must be at most {top} (C x ceil(H / C): one stage of the uneven split)"
+        return None
     if U > H or H % U:
         return f"must divide the number of query heads ({H})"
     Gv = max(G, C)
@@ -135,6 +174,14 @@ def check_heads_per_stage(H: int, G: int, C: int, U) -> int:
             f"and group size {C}: {valid_heads_per_stage(H, G, C)}"
         )
     return U
+
+
+def plan_schedule(H: int, G: int, C: int, U: int, rank: int) -> tuple:
+    """The rounds of validated (H, G, C, U) seen from rank `rank`: `plan_rounds` (the same on
+    every rank) on an even split, `uneven.plan_uneven` on an uneven one."""
+    if uneven.is_uneven(H, G, C):
+        return uneven.plan_uneven(H, G, C, U, rank)
+    return plan_rounds(H, G, C, U)
 
 
 @functools.lru_cache(maxsize=256)

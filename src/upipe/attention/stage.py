@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 
 from upipe.attention import documents, ring
-from upipe.kernels import attention_backward, attention_forward
+from upipe.kernels import acc_dtype, attention_backward, attention_forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,3 +58,49 @@ class StageAttention:
             return attention_backward(dout, q, k, v, out, lse, **kw)
         args = (self.ring_group, self.causal, self.scale, self.backend, self.layout)
         return ring._backward(dout, q, k, v, out, lse, *args, docs=self.docs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentedAttention:
+    """`attn` on a rank's heads of an uneven split (`upipe.attention.uneven`), where local
+    query head i need not use kv head i // (u / k): one call per segment (q0, nq, k0, nk),
+    each standard GQA -- query heads q0 .. q0+nq-1 over kv heads k0 .. k0+nk-1. One segment
+    covering all heads is a plain call; none (a rank without a head this stage) is no call.
+    The outputs are concatenated (a copy), the gradients written into per-stage buffers;
+    kv heads no segment uses get zero gradients."""
+
+    attn: StageAttention
+    segments: tuple[tuple[int, int, int, int], ...]
+
+    def _whole(self, q, k) -> bool:
+        return len(self.segments) == 1 and self.segments[0] == (0, q.shape[2], 0, k.shape[2])
+
+    def forward(self, q, k, v):
+        if self._whole(q, k):
+            return self.attn.forward(q, k, v)
+        B, P, _, _ = q.shape
+        outs, lses = (
+            [q.new_empty(B, P, 0, q.shape[3])],
+            [q.new_empty(B, 0, P, dtype=acc_dtype(q.dtype))],
+        )
+        for q0, nq, k0, nk in self.segments:
+            out, lse = self.attn.forward(
+                q.narrow(2, q0, nq), k.narrow(2, k0, nk), v.narrow(2, k0, nk)
+            )
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs, 2), torch.cat(lses, 1)
+
+    def backward(self, dout, q, k, v, out, lse):
+        if self._whole(q, k):
+            return self.attn.backward(dout, q, k, v, out, lse)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for q0, nq, k0, nk in self.segments:
+            rows = [t.narrow(2, q0, nq) for t in (dout, q)]
+            kv = [t.narrow(2, k0, nk) for t in (k, v)]
+            grads = self.attn.backward(*rows, *kv, out.narrow(2, q0, nq), lse.narrow(1, q0, nq))
+            for buf, part, (a, n) in zip(
+                (dq, dk, dv), grads, ((q0, nq), (k0, nk), (k0, nk)), strict=True
+            ):
+                buf.narrow(2, a, n).copy_(part)
+        return dq, dk, dv

@@ -13,6 +13,12 @@ Backward repeats the exchange per round and stage (q, k, v, out and dout slices 
 again), runs the kernel backward with the saved lse, sums dk/dv over the round's stages in
 fp32 and sends them back once per round.
 
+Heads C does not divide (`uneven.py`): each rank's own ceil(H/C) or floor(H/C) query
+heads, u per stage, with rounds of the kv heads they use; the exchanges take per-rank
+counts, the kernel runs per standard-GQA segment (`stage.SegmentedAttention`) and kv
+gradients are summed in fp32. The loops below are the same: the rounds (`schedule.Round`
+or `uneven.UnevenRound`) say which heads, counts and attention each stage has.
+
 Live at a time: one round's kv buffers and one stage's buffers -- the head-proportional
 intermediates shrink by U / H against Ulysses. Saved for backward: only lse (q, k, v and
 out exist anyway). The fused module (fused.py) also folds the projections in.
@@ -39,7 +45,7 @@ from upipe.attention.common import (
 from upipe.attention.schedule import (
     add_kv_,
     check_heads_per_stage,
-    plan_rounds,
+    plan_schedule,
     put_kv,
     put_q,
     select_kv,
@@ -47,6 +53,7 @@ from upipe.attention.schedule import (
 )
 from upipe.attention.stage import StageAttention
 from upipe.comm import HeadExchange
+from upipe.comm_uneven import to_head, to_seq
 from upipe.kernels import acc_dtype
 
 
@@ -73,13 +80,13 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn):
     out_BLHd = torch.empty_like(q_BLHd)
     lse_list = []
     for rnd in rounds:
-        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd))
-        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd))
+        k_BSkd = to_head(ex, _kv_heads(k_BLGd, rnd), rnd.kv_split)
+        v_BSkd = to_head(ex, _kv_heads(v_BLGd, rnd), rnd.kv_split)
         for s in range(len(rnd.stages)):
-            q_BSud = ex.to_head(_q_heads(q_BLHd, rnd, s))
-            out_BSud, lse_BuS = attn.forward(q_BSud, k_BSkd, v_BSkd)
+            q_BSud = to_head(ex, _q_heads(q_BLHd, rnd, s), rnd.q_split(s))
+            out_BSud, lse_BuS = rnd.stage_attention(attn, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
-            put_q(out_BLHd, 2, rnd, s, ex.to_seq(out_BSud))
+            put_q(out_BLHd, 2, rnd, s, to_seq(ex, out_BSud, rnd.q_split(s)))
             lse_list.append(lse_BuS)
         del k_BSkd, v_BSkd
     return out_BLHd, lse_list
@@ -87,9 +94,9 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn):
 
 def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex, attn):
     dq_BLHd = torch.empty_like(q_BLHd)
-    # kv gradients: each kv head comes back once, unless it is replicated (G < C): then its
-    # replicas are summed, in fp32
-    replicated = rounds[0].replicas > 1
+    # kv gradients: each kv head comes back once, unless it is replicated (G < C) or shared
+    # by ranks of an uneven split: then its copies are summed, in fp32
+    replicated = rounds[0].sums_kv
     if replicated:
         dk_BLGd = torch.zeros(k_BLGd.shape, dtype=acc_dtype(k_BLGd.dtype), device=k_BLGd.device)
         dv_BLGd = torch.zeros_like(dk_BLGd)
@@ -97,28 +104,29 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
         dk_BLGd, dv_BLGd = torch.empty_like(k_BLGd), torch.empty_like(v_BLGd)
     lse_iter = iter(lse_list)
     for rnd in rounds:
-        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd))
-        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd))
+        k_BSkd = to_head(ex, _kv_heads(k_BLGd, rnd), rnd.kv_split)
+        v_BSkd = to_head(ex, _kv_heads(v_BLGd, rnd), rnd.kv_split)
         dk32_BSkd = dv32_BSkd = None
         for s in range(len(rnd.stages)):
             q_BSud, out_BSud, dout_BSud = (
-                ex.to_head(_q_heads(t, rnd, s)) for t in (q_BLHd, out_BLHd, dout_BLHd)
+                to_head(ex, _q_heads(t, rnd, s), rnd.q_split(s))
+                for t in (q_BLHd, out_BLHd, dout_BLHd)
             )
-            dq_BSud, dk_BSkd, dv_BSkd = attn.backward(
+            dq_BSud, dk_BSkd, dv_BSkd = rnd.stage_attention(attn, s).backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, next(lse_iter)
             )
             del q_BSud, out_BSud, dout_BSud
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            put_q(dq_BLHd, 2, rnd, s, ex.to_seq(dq_BSud))
+            put_q(dq_BLHd, 2, rnd, s, to_seq(ex, dq_BSud, rnd.q_split(s)))
         del k_BSkd, v_BSkd
         # the round's dk, dv go back once; each sum is freed as soon as it is sent
         kv_sums = [(dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)]
         del dk32_BSkd, dv32_BSkd
         while kv_sums:
             d_BLGd, d32_BSkd = kv_sums.pop(0)
-            d_BLkd = ex.to_seq(d32_BSkd.to(k_BLGd.dtype))
+            d_BLkd = to_seq(ex, d32_BSkd.to(k_BLGd.dtype), rnd.kv_split)
             del d32_BSkd
             if replicated:  # fp32 sums of the replicas (bf16 parts, fp32 accumulator)
                 add_kv_(d_BLGd, 2, rnd, d_BLkd)
@@ -170,7 +178,10 @@ def upipe_attention(
     stage's attention is ring attention over the ring dim. Exactly one of group/mesh.
     `heads_per_stage` (U) defaults to C (one head per rank per stage); any multiple of C that
     divides H and fits the GQA schedule (see `upipe.attention.schedule`); U = H is plain
-    Ulysses. G may be smaller than C (kv heads are replicated) if it divides C.
+    Ulysses. G may be smaller than C (kv heads are replicated) if it divides C. Other head
+    counts (C not dividing H, or G and C not dividing one another; C <= H) are split
+    unevenly (`upipe.attention.uneven`): U is then any multiple of C up to C * ceil(H / C),
+    u = U / C of each rank's ceil(H/C) or floor(H/C) heads per stage.
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
     tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
     a token attends only to tokens of its own document (`upipe.attention.documents`); None:
@@ -196,13 +207,14 @@ def upipe_attention(
         softmax_scale=softmax_scale,
         backend=backend,
         replicate_kv=True,
+        uneven=True,
         extra=extra,
         extra_signature={"heads_per_stage": heads_per_stage, "layout": layout, **docs.signature()},
         agree=agree,
     )
     H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(ulysses)
     U = check_heads_per_stage(H, G, C, heads_per_stage)
-    rounds = plan_rounds(H, G, C, U)
+    rounds = plan_schedule(H, G, C, U, torch.distributed.get_rank(ulysses))
     kernel = (causal, softmax_scale, backend)
     if mesh is None:  # the layout is the all-to-all's
         ex = HeadExchange(ulysses, layout or "contiguous")
