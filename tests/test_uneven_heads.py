@@ -296,3 +296,30 @@ def test_cuda_path_emulated(clusters, strategy, dtype):
             assert rel_err(a, r) < (FWD if name == "out" else BWD), name
         else:
             assert rel_err(a, r) <= bf16_bound(rel_err(s, r)), name
+
+
+# --- memory: the largest rank's share ----------------------------------------------------
+
+
+def _head_layout_peak(rank, world_size, H):
+    """Peak bytes of the head-layout buffers ([B, S, *, d]) of one Ulysses fwd+bwd (MHA)."""
+    from upipe.memory.tracker import MemoryTracker
+
+    S = 64
+    q, k, v, dout = make_qkv(B=1, S=S, H=H, G=H, d=8)
+    group = dist.group.WORLD
+    leaves = [upipe.shard_sequence(t, group=group).requires_grad_() for t in (q, k, v)]
+    dout = upipe.shard_sequence(dout, group=group)
+    with MemoryTracker(count=lambda t: t.dim() == 4 and t.shape[1] == S) as mem:
+        upipe.ulysses_attention(*leaves, group=group).backward(dout)
+    return mem.counted_peak_bytes
+
+
+def test_head_layout_memory_follows_each_ranks_share(clusters):
+    """6 heads on 4 ranks (2, 2, 1, 1): a rank's head-layout buffers are proportional to its
+    own heads, and the largest rank's equal those of an even split of 8 heads (2 per rank)
+    -- the peak is ceil(H/C) / (H/C) = 4/3 of an even 1.5-head share."""
+    uneven_peaks = clusters(4).run(_head_layout_peak, 6)
+    even_peaks = clusters(4).run(_head_layout_peak, 8)
+    assert uneven_peaks[0] == uneven_peaks[1] == 2 * uneven_peaks[2] == 2 * uneven_peaks[3]
+    assert uneven_peaks[0] == even_peaks[0] > 0
