@@ -224,9 +224,27 @@ def test_usp_on_a_mesh(clusters, H, G):
             assert rel_err(a, r[:, pos]) < (FWD if name == "out" else BWD), name
 
 
+QWEN25_7B = [  # 28 query and 4 kv heads on 8 ranks (4, 4, 4, 4, 3, 3, 3, 3 query heads)
+    ("ulysses", {}, "contiguous"),
+    ("upipe", {}, "zigzag"),
+    ("upipe", {"heads_per_stage": 16}, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("strategy,kwargs,layout", QWEN25_7B)
+def test_qwen25_7b_heads_on_8_ranks(clusters, strategy, kwargs, layout):
+    shape = dict(B=1, S=64, H=28, G=4, d=8)
+    got = clusters(8).run(run_functional_layout, strategy, shape, kwargs, layout)[0]
+    for name, a, r in zip(
+        ("out", "dq", "dk", "dv"), got, reference(*make_qkv(**shape)), strict=True
+    ):
+        assert rel_err(a, r) < (FWD if name == "out" else BWD), name
+
+
 # --- the module --------------------------------------------------------------------------
 
 MODULE = [  # (C, H, G, kwargs, layout)
+    (8, 28, 4, {"strategy": "upipe"}, "contiguous"),  # Qwen2.5-7B's heads on 8 ranks
     (4, 6, 2, {"strategy": "ulysses"}, "contiguous"),
     (4, 6, 2, {"strategy": "upipe"}, "contiguous"),
     (4, 6, 2, {"strategy": "upipe", "overlap": True}, "zigzag"),
