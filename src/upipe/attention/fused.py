@@ -273,8 +273,9 @@ def fused_upipe_attention(
 
     x `[B, L, D]` (this rank's shard), weights in `torch.nn.Linear` layout (wq `[H*d, D]`,
     wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's global positions,
-    `rounds` from `upipe.attention.schedule.plan_rounds`. `q_norm`/`k_norm` (weights `[d]`):
-    QK-norm, RMSNorm of each projected head before RoPE (Qwen3), recomputed in backward.
+    `rounds` from `upipe.attention.schedule.plan_schedule` (this rank's). `q_norm`/`k_norm`
+    (weights `[d]`): QK-norm, RMSNorm of each projected head before RoPE (Qwen3), recomputed
+    in backward.
     `q_bias` `[H*d]`, `k_bias`/`v_bias` `[G*d]`: projection biases (Qwen2), added before
     QK-norm and RoPE.
     The all-to-alls run over `group`

@@ -31,7 +31,7 @@ class FusedPlan:
     """The static part of one fused call: what to run, where, and how."""
 
     rounds: tuple[Round, ...]
-    """the head schedule (`schedule.plan_rounds`)"""
+    """the head schedule (`schedule.plan_schedule`: even or uneven rounds)"""
     head_dim: int
     ex: HeadExchange
     """the Ulysses exchange (group and sequence layout)"""
