@@ -213,13 +213,19 @@ def test_cuda_rms_norm_footprint():
 
 
 def test_candidates_on_an_odd_gpu_count():
-    """6 GPUs: ring and USP are validated at a length they can split (lcm(64K, 12)), and
-    the problems name the model planned, not the training default."""
+    """6 GPUs: ring and USP are validated at a length they can split (lcm(64K, 12)), Ulysses
+    and UPipe split the 32 heads unevenly (6, 6, 5, 5, 5, 5), and on 48 GPUs (more than
+    the heads) the problems name the model planned, not the training default."""
     from upipe.model import get_config
     from upipe.planner.plan import candidates
 
-    pc = PlanConfig(model="llama3-8b", gpus=6, features=("on",), stage_multiples=(1,))
-    rows = {label: (kw, problem) for label, kw, problem in candidates(pc, get_config("llama3-8b"))}
-    assert rows["ring +features"][1] is None and rows["usp 3x2 +features"][1] is None
-    assert rows["ring +features"][0]["seq_len"] == 196608
-    assert "llama3-8b has 32 heads" in rows["ulysses +features"][1]
+    def rows(gpus):
+        pc = PlanConfig(model="llama3-8b", gpus=gpus, features=("on",), stage_multiples=(1,))
+        return {label: (kw, why) for label, kw, why in candidates(pc, get_config("llama3-8b"))}
+
+    six = rows(6)
+    assert all(why is None for _, why in six.values()), six
+    assert six["ring +features"][0]["seq_len"] == 196608
+    assert (
+        "llama3-8b has 32 heads, fewer than the ulysses size 48" in rows(48)["ulysses +features"][1]
+    )
