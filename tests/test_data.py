@@ -1,6 +1,6 @@
-"""upipe.train.data: tokenizers, the packed stream, document boundaries, held-out data and
-saved Hugging Face datasets. Tokenizers are trained here on a few strings; nothing is
-downloaded."""
+"""upipe.train.data and upipe.train.tokenizers: tokenizers, the packed stream, document
+boundaries, held-out data and saved Hugging Face datasets. Tokenizers are trained here on a
+few strings; nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -10,16 +10,8 @@ import pytest
 import torch
 
 from upipe.loss import IGNORE_INDEX
-from upipe.train.data import (
-    EOS,
-    ByteTokenizer,
-    HFTokenizer,
-    PackedTokens,
-    corpus_files,
-    held_out,
-    load_tokenizer,
-    mask_document_ends,
-)
+from upipe.train.data import PackedTokens, corpus_files, held_out, mask_document_ends
+from upipe.train.tokenizers import EOS, ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXTS = [f"document {i}: " + "the quick brown fox jumps " * (i % 7) for i in range(60)]
 TEXTS[5] = ""  # an empty document is just its EOS

@@ -10,8 +10,8 @@ import torch
 from upipe.attention.registry import CLI_WORDS, STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage
 from upipe.model import PRESETS, ModelConfig, config_from_hf, get_config
-from upipe.train.data import VOCAB_SIZE, load_tokenizer
 from upipe.train.parallelize import MemoryFeatures
+from upipe.train.tokenizers import VOCAB_SIZE, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
