@@ -13,7 +13,8 @@ from workers import MODULE_ARGS, make_module_inputs, make_qkv, make_weights
 
 import upipe
 from upipe.attention.common import forget_agreements
-from upipe.comm import document_positions, sequence_positions, shard_sequence, unshard_sequence
+from upipe.comm import sequence_positions, shard_sequence, unshard_sequence
+from upipe.packing import document_positions
 
 
 def doc_mask(cu, S, causal):
@@ -45,7 +46,7 @@ def doc_reference(shape, cu, causal=True):
 def one_device(shape, cu, dtype, causal=True, backend=None):
     """The same document-masked attention on one device in `dtype` (the bf16 baseline)."""
     from upipe.attention.documents import local_backward, local_forward
-    from upipe.comm import check_cu_seqlens
+    from upipe.packing import check_cu_seqlens
 
     q, k, v, dout = (t.to(dtype) for t in make_qkv(**shape))
     bounds = check_cu_seqlens(cu, shape["S"])

@@ -183,8 +183,8 @@ def packed_reference(arch, bounds=PACKED_BOUNDS):
 def run_packed(rank, world_size, arch, strategy, state, bounds=PACKED_BOUNDS):
     """A packed batch (positions restarting per document) through the converted model, the
     way transformers' packing hands it over; returns what `run_context_parallel` does."""
-    from upipe.comm import document_positions
     from upipe.integrations.hf import apply_context_parallel, causal_lm_loss, shard_batch
+    from upipe.packing import document_positions
 
     group = dist.group.WORLD
     model = apply_context_parallel(build_model(arch, seed=123), group=group, strategy=strategy)

@@ -32,7 +32,7 @@ from document_workers import (
 from workers import make_module_inputs, make_weights
 
 from upipe.attention.documents import block_calls, layout_segments
-from upipe.comm import check_cu_seqlens, document_positions
+from upipe.packing import check_cu_seqlens, document_positions
 
 S = 32
 NAMES = ("out", "dq", "dk", "dv")

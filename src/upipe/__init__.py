@@ -10,12 +10,14 @@ from upipe.attention import (
 from upipe.comm import sequence_positions, shard_sequence, unshard_sequence
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
+from upipe.packing import document_positions
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ContextParallelAttention",
     "MemoryTracker",
+    "document_positions",
     "make_mesh",
     "ring_attention",
     "sequence_positions",

@@ -26,9 +26,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from upipe.comm import LAYOUTS, check_cu_seqlens
+from upipe.comm import LAYOUTS
 from upipe.kernels import BACKENDS
 from upipe.mesh import check_mesh, validation_group
+from upipe.packing import check_cu_seqlens
 from upipe.torch_private import saved_tensor_hooks_active
 
 
@@ -196,7 +197,7 @@ class DocumentsArg:
 
     `check(S)` is a local check (run inside `agree_across_ranks`, so a bad value raises the
     same ValueError on every rank): it validates the boundaries for a full sequence of S
-    tokens (`upipe.comm.check_cu_seqlens`) and keeps them, as host ints, in `bounds` (None
+    tokens (`upipe.packing.check_cu_seqlens`) and keeps them, as host ints, in `bounds` (None
     without documents). The agreed signature records only *whether* documents are given:
     the boundaries are data that change every batch, and comparing them across ranks would
     cost an exchange per call. Ranks passing different boundaries therefore get wrong

@@ -4,7 +4,7 @@ Legend: B batch, S full sequence, P tokens a stage attends over (S, or a ring ra
 on a mesh), L tokens of a ring block, u query heads, k kv heads, d head dim, C ring size.
 
 A packed sequence holds documents e_j .. e_{j+1}-1 (`bounds` = (0, e_1, ..., S), validated
-by `upipe.comm.check_cu_seqlens`, no empty document). Query i sees key t iff both lie in
+by `upipe.packing.check_cu_seqlens`, no empty document). Query i sees key t iff both lie in
 the same document and, when causal, t <= i. Nothing builds that S x S mask: every kernel
 call covers one document's rows of a query range against the same document's rows of a key
 range, so the calls together are exactly the mask and memory stays O(L).

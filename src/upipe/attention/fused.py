@@ -284,7 +284,7 @@ def fused_upipe_attention(
     stage's attention is ring attention over it. `overlap`: start each next stage's
     exchanges during the current stage's attention (see the module doc; None:
     `default_overlap`). `docs`: validated document boundaries of the full sequence
-    (`upipe.comm.check_cu_seqlens`; a tuple of ints) -- each stage's attention is then
+    (`upipe.packing.check_cu_seqlens`; a tuple of ints) -- each stage's attention is then
     document-masked, forward and recomputed backward alike; None: one document.
     Inputs are not validated here: `ContextParallelAttention` does that.
     """

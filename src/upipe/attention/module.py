@@ -197,7 +197,7 @@ class ContextParallelAttention(nn.Module):
         """`cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (1-D
         integer tensor or ints, the same on every rank and batch row): each token attends
         only within its document (`upipe.attention.documents`); position_ids then usually
-        restart per document (`upipe.comm.document_positions`). None: one document."""
+        restart per document (`upipe.packing.document_positions`). None: one document."""
         docs = self._validate(x, position_ids, cu_seqlens)
         d = self.head_dim
         cos, sin = rope_cos_sin(

@@ -218,7 +218,7 @@ def ring_attention(
     C*L tokens; differentiable w.r.t. q, k, v. Any H and G with G dividing H (query head h
     uses kv head h // (H / G)). `backend` selects the local kernel (see `upipe.kernels`).
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
-    tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
+    tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
     a token attends only to tokens of its own document (documents.py); None: one document.
     """
     docs = DocumentsArg(cu_seqlens)

@@ -9,7 +9,7 @@ q_BPud, k_BPkd, v_BPkd:
     backward(dout, q, k, v, out, lse) -> (dq, dk, dv)         (from the saved out and lse)
 Without a ring group it is the local kernel (`upipe.kernels`); with one, ring attention
 over it (ring.py's `_forward`/`_backward`, the P tokens in `layout` across the ring).
-With document boundaries `docs` (global, validated: `upipe.comm.check_cu_seqlens`) the
+With document boundaries `docs` (global, validated: `upipe.packing.check_cu_seqlens`) the
 local kernel runs once per document (`documents.local_forward`; the P tokens are the whole
 sequence in order) and the ring per block as `documents.block_calls` says.
 """

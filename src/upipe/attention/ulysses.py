@@ -146,7 +146,7 @@ def ulysses_attention(
     floor(H/C) query heads per rank, `upipe.attention.uneven`). `backend` selects the local
     kernel (see `upipe.kernels`); the default follows the device.
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
-    tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
+    tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
     a token attends only to tokens of its own document (`upipe.attention.documents`); None:
     one document (plain attention, unchanged).
     """

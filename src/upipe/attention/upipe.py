@@ -183,7 +183,7 @@ def upipe_attention(
     unevenly (`upipe.attention.uneven`): U is then any multiple of C up to C * ceil(H / C),
     u = U / C of each rank's ceil(H/C) or floor(H/C) heads per stage.
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
-    tensor or ints, the same on every rank and batch row; `upipe.comm.check_cu_seqlens`):
+    tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
     a token attends only to tokens of its own document (`upipe.attention.documents`); None:
     one document (plain attention, unchanged).
     """

@@ -40,9 +40,10 @@ import torch.nn.functional as F
 
 from upipe.attention.common import agree_across_ranks, resolve_groups
 from upipe.attention.module import ContextParallelAttention
-from upipe.comm import check_cu_seqlens, document_positions, shard_sequence
+from upipe.comm import shard_sequence
 from upipe.loss import IGNORE_INDEX, count_valid, global_token_mean, shift_labels
 from upipe.mesh import mesh_coordinates
+from upipe.packing import check_cu_seqlens, document_positions
 from upipe.torch_private import flatten_mesh
 
 SUPPORTED_ARCHITECTURES = (

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from upipe.comm import check_cu_seqlens
 from upipe.loss import cross_entropy_sum
 from upipe.model.config import ModelConfig
 from upipe.model.features import activation_checkpoint, tiled_recompute
 from upipe.model.offload import Offloader
+from upipe.packing import check_cu_seqlens
 from upipe.rope import apply_rope, rope_cos_sin
 
 
@@ -176,7 +176,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids_BL, position_ids_BL, labels_BL=None, *, cu_seqlens=None):
         """`cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full (unsharded)
         sequence, the same for every batch row: attention stays within each document (pass
-        position ids restarting per document, `upipe.comm.document_positions`). A CUDA
+        position ids restarting per document, `upipe.packing.document_positions`). A CUDA
         tensor is read to the host once per call (one sync); a CPU tensor or ints: none."""
         h_BLD = self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens)
         if labels_BL is None:

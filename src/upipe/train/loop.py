@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from upipe.comm import document_positions
 from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mean
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
 from upipe.model import CausalLM, ModelConfig, load_hf_weights, save_hf_checkpoint
+from upipe.packing import document_positions
 from upipe.plot import Panel, Series, save_plot
 from upipe.train.config import DTYPES, TrainConfig, padded_length
 from upipe.train.config import model_config as train_model_config
