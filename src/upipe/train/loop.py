@@ -27,6 +27,7 @@ from upipe.mesh import make_mesh
 from upipe.model import CausalLM, ModelConfig, load_hf_weights, save_hf_checkpoint
 from upipe.packing import document_positions
 from upipe.plot import Panel, Series, save_plot
+from upipe.train.checkpointing import load_latest_checkpoint, save_checkpoint
 from upipe.train.config import DTYPES, TrainConfig, padded_length
 from upipe.train.config import model_config as train_model_config
 from upipe.train.data import PackedTokens, mask_document_ends
@@ -257,47 +258,23 @@ class Trainer:
             peak = persistent + mem.peak_bytes
         return {"loss": loss, "seconds": time.perf_counter() - t0, "peak_memory_bytes": peak}
 
-    # checkpoints: torch distributed checkpoint, one directory per step
-    def _state(self):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.master, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-
+    # checkpoints: torch distributed checkpoint, one directory per step (`checkpointing`)
     def save(self, step: int) -> Path:
         """Save the masters, the optimizer and the schedule after `step` steps."""
-        import torch.distributed.checkpoint as dcp
-
-        path = Path(self.cfg.checkpoint_dir) / f"step_{step:08d}"
-        dcp.save(self._state(), checkpoint_id=str(path))
-        return path
+        return save_checkpoint(
+            self.cfg.checkpoint_dir, step, self.master, self.optimizer, self.scheduler
+        )
 
     def load_latest(self) -> int:
         """Load the newest complete checkpoint; returns its step (0 if there is none)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        root = Path(self.cfg.checkpoint_dir)
-        done = sorted(p for p in root.glob("step_*") if (p / ".metadata").exists())
-        if not done:
-            return 0
-        state = self._state()
-        dcp.load(state, checkpoint_id=str(done[-1]))
-        set_state_dict(
-            self.master,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
+        step = load_latest_checkpoint(
+            self.cfg.checkpoint_dir, self.master, self.optimizer, self.scheduler, self.schedule
         )
-        self.scheduler.load_state_dict(state["scheduler"])
-        # the next rate from the step reached and *this* run's schedule (the checkpoint's
-        # optimizer holds the rate of the run that saved it; with a larger --steps the
-        # resumed run continues along its own, longer cosine)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = base * self.schedule(self.scheduler.last_epoch)
+        if step is None:
+            return 0
         if self.masters is not None:
             self.masters.copy_to_model()
-        return int(done[-1].name.split("_")[1])
+        return step
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, device) -> CausalLM:
