@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import upipe
 from upipe.attention.registry import STRATEGIES, get_strategy, heads_problem
+from upipe.attention.schedule import check_heads_per_stage
 
 # The versions the adapters were tested with (the `bench` extra pins the runnable ones).
 TESTED = {"deepspeed": "0.19.8", "yunchang": "0.6.4"}
@@ -141,13 +142,16 @@ class UpipeMethod(Method):
             C //= 2
         elif self.layout == "zigzag" and S % (2 * C):
             return f"{self.kind} (zigzag) needs S divisible by 2C={2 * C}"
-        if self.spec.heads_per_stage and (self.U % C or H % self.U):
-            return (
-                f"{self.kind} heads_per_stage U={self.U} must be a multiple of C={C} dividing H={H}"
-            )
-        if heads_problem(self.kind, H, G, C) is None:
-            return None
-        return _heads_problem(H, G, C, self.name)
+        if H % G:
+            return f"{self.name} needs G ({G}) dividing H ({H})"
+        if heads_problem(self.kind, H, G, C) is not None:
+            return f"{self.name} splits heads: needs at least C={C} query heads, got H={H}"
+        if self.spec.heads_per_stage:
+            try:
+                check_heads_per_stage(H, G, C, self.U)
+            except ValueError as e:
+                return f"{self.kind}: {e}"
+        return None
 
     def setup(self, group, device):
         super().setup(group, device)
