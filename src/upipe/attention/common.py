@@ -26,7 +26,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from upipe.comm import LAYOUTS
+from upipe.comm import check_layout_name
 from upipe.kernels import BACKENDS
 from upipe.mesh import check_mesh, validation_group
 from upipe.packing import check_cu_seqlens
@@ -218,8 +218,7 @@ class DocumentsArg:
 def check_ring_layout(layout, P: int, R: int, C: int) -> None:
     """The ring dim's layout on a mesh of R ring x C ulysses ranks: a known one, and zigzag
     needs an even number P = C * L of tokens per ring rank (its two chunks)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    check_layout_name(layout)
     if layout == "zigzag" and R > 1 and P % 2:
         raise ValueError(
             f"layout='zigzag' needs an even number of tokens per ring rank (ulysses size "
@@ -230,8 +229,7 @@ def check_ring_layout(layout, P: int, R: int, C: int) -> None:
 
 def check_layout(layout, L, C):
     """The sequence layout of a 1-D group of C ranks holding L tokens each."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    check_layout_name(layout)
     if layout == "zigzag" and L % 2:
         raise ValueError(
             f"layout='zigzag' needs an even local sequence length (each rank holds two "
