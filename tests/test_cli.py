@@ -48,3 +48,19 @@ def test_bad_option_is_a_message_not_a_traceback():
     assert res.returncode == 2
     assert "--seq-lens [1001] must be multiples of 2 * nproc = 8; try [1008]" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_train_help_groups_every_option_once():
+    import dataclasses
+
+    from upipe.cli.train import OPTION_GROUPS
+    from upipe.train.config import TrainConfig
+
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(TrainConfig))
+    res = _upipe("train", "--help")
+    assert res.returncode == 0
+    positions = [res.stdout.index(f"\n{title}:") for title in OPTION_GROUPS]
+    assert positions == sorted(positions)
+    memory = res.stdout[positions[4] : positions[5]]  # the "memory features" section
+    assert "--activation-checkpoint" in memory and "--lr" not in memory

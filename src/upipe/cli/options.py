@@ -38,23 +38,31 @@ def _scalar(annotation: str):
     return _SCALARS.get(parts[0]) if len(parts) == 1 else None
 
 
-def add_dataclass_options(parser: argparse.ArgumentParser, cls, *, skip=()) -> None:
-    """One option per field: `--seq-len N`, `--causal/--no-causal`, `--strategies a b`."""
+def add_dataclass_options(parser: argparse.ArgumentParser, cls, *, skip=(), groups=None) -> None:
+    """One option per field: `--seq-len N`, `--causal/--no-causal`, `--strategies a b`.
+    `groups`: {title: field names} -- `--help` lists the options under those titles, in that
+    order (a field in no group: under the parser's own "options")."""
     docs = _field_docs(cls)
+    where = {}
+    for title, names in (groups or {}).items():
+        group = parser.add_argument_group(title)
+        where.update(dict.fromkeys(names, group))
+    unknown = set(where) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"option groups name fields {cls.__name__} lacks: {sorted(unknown)}")
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
+        add = where.get(f.name, parser).add_argument
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         doc = docs.get(f.name, "")
         choices = f.metadata.get("choices")
         if str(f.type) in ("bool", "<class 'bool'>"):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=doc
-            )
+            add(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
         elif str(f.type).startswith("tuple"):
             inner = _scalar(str(f.type)[len("tuple[") :].split(",")[0]) or str
-            parser.add_argument(
+            add(
                 flag,
                 nargs="+",
                 type=inner,
@@ -66,7 +74,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls, *, skip=()) -> N
             convert = _scalar(f.type)
             if convert is None:
                 raise TypeError(f"{cls.__name__}.{f.name}: no option type for {f.type!r}")
-            parser.add_argument(
+            add(
                 flag,
                 type=convert,
                 default=default,

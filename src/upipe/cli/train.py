@@ -39,8 +39,29 @@ def add_command(sub) -> None:
             "checkpoints and a loss plot when asked."
         ),
     )
-    add_dataclass_options(parser, TrainConfig)
+    add_dataclass_options(parser, TrainConfig, groups=OPTION_GROUPS)
     parser.set_defaults(handler=_handle)
+
+
+# how `upipe train --help` groups its options (every TrainConfig field; tests/test_cli.py)
+OPTION_GROUPS = {
+    "model and parallelism": (
+        "model", "strategy", "nproc", "dp", "ring", "heads_per_stage", "device", "fsdp",
+    ),
+    "data": ("data", "tokenizer", "seq_len", "batch_size", "document_mask", "seed"),
+    "optimization": (
+        "steps", "lr", "warmup_steps", "min_lr_ratio", "grad_accum", "grad_clip",
+    ),
+    "precision": ("dtype", "master_dtype"),
+    "memory features": (
+        "tiled_mlp", "mlp_tile", "chunked_loss", "loss_chunk", "activation_checkpoint", "offload",
+    ),
+    "evaluation": ("eval_every", "eval_batches", "eval_fraction"),
+    "logging": ("metrics_file", "tensorboard", "plot"),
+    "checkpoints and weights": (
+        "checkpoint_dir", "checkpoint_every", "resume", "init_from_hf", "save_hf",
+    ),
+}  # fmt: skip
 
 
 def _under_torchrun() -> bool:
