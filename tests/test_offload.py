@@ -58,7 +58,7 @@ def test_offload_trains_bit_identically_with_one_exact_arena():
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
     for g, ref in zip(grads, ref_grads, strict=True):
         assert all(torch.equal(g[n], ref[n]) for n in ref)
-    D = get_config("tiny").dim
+    D = get_config("tiny").hidden_size
     assert set(arenas) == {(arenas[0][0], N_LAYERS * B * S * D * 4)}
 
 
@@ -99,7 +99,7 @@ def test_arena_follows_the_block_input_shape_exactly():
     for seq_len in (S, 2 * S, 2 * S):
         ids, pos = _batch(seq_len)
         model(ids, pos, ids).backward()
-        assert model.offload.arena.nbytes == N_LAYERS * B * seq_len * model.config.dim * 4
+        assert model.offload.arena.nbytes == N_LAYERS * B * seq_len * model.config.hidden_size * 4
         arenas.append(weakref.ref(model.offload.arena))
     assert arenas[0]() is None and arenas[1]() is arenas[2]() is model.offload.arena
 
@@ -136,7 +136,7 @@ def test_prefetch_costs_one_block_input_of_device_memory():
             model(ids, pos, ids).backward()
         return mem.peak_bytes
 
-    assert peak(True) - peak(False) == B * 256 * get_config("tiny").dim * 4
+    assert peak(True) - peak(False) == B * 256 * get_config("tiny").hidden_size * 4
 
 
 def test_planner_counts_the_arena():
@@ -218,7 +218,7 @@ def test_cuda_calls_in_order(monkeypatch):
         off._unpin.detach()  # not to be called with the real cudart at exit
         raise
     del model, off  # the offloader goes: its arena is unregistered
-    n = 2 * B * S * get_config("tiny").dim * 4  # 2 blocks
+    n = 2 * B * S * get_config("tiny").hidden_size * 4  # 2 blocks
     assert [nbytes for _, nbytes in arenas] == [n, 2 * n]
     copy = [("side", "waits for", "compute"), ("side", "copies")]
 

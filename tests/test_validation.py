@@ -178,25 +178,37 @@ def test_group_must_be_a_process_group():
 
 
 MODULE_BAD = [
-    (dict(dim=32, num_heads=4, num_kv_heads=2, strategy="striped"), r"unknown strategy 'striped'"),
     (
-        dict(dim=32, num_heads=4, num_kv_heads=2, strategy="ring", heads_per_stage=4),
+        dict(hidden_size=32, num_heads=4, num_kv_heads=2, strategy="striped"),
+        r"unknown strategy 'striped'",
+    ),
+    (
+        dict(hidden_size=32, num_heads=4, num_kv_heads=2, strategy="ring", heads_per_stage=4),
         r"heads_per_stage applies to strategy='upipe' only",
     ),
     (
-        dict(dim=48, num_heads=2, num_kv_heads=2),
+        dict(hidden_size=48, num_heads=2, num_kv_heads=2),
         r"num_heads \(2\) must be at least the context-parallel size \(4\).*"
         r"use a size of at most 2, or strategy='ring'",
     ),
-    (dict(dim=32, num_heads=8, num_kv_heads=3), r"num_kv_heads \(3\) must divide num_heads"),
-    (dict(dim=30, num_heads=4, num_kv_heads=2), r"dim \(30\) is not divisible by num_heads"),
     (
-        dict(dim=24, num_heads=6, num_kv_heads=2, heads_per_stage=12),
+        dict(hidden_size=32, num_heads=8, num_kv_heads=3),
+        r"num_kv_heads \(3\) must divide num_heads",
+    ),
+    (
+        dict(hidden_size=30, num_heads=4, num_kv_heads=2),
+        r"hidden_size \(30\) is not divisible by num_heads",
+    ),
+    (
+        dict(hidden_size=24, num_heads=6, num_kv_heads=2, heads_per_stage=12),
         r"heads_per_stage \(12\) must be at most 8 .*: \[4, 8\]",
     ),
-    (dict(dim=32, num_heads=8, num_kv_heads=8, heads_per_stage=6), r"heads_per_stage \(6\)"),
     (
-        dict(dim=32, num_heads=8, num_kv_heads=8, strategy="ulysses", heads_per_stage=4),
+        dict(hidden_size=32, num_heads=8, num_kv_heads=8, heads_per_stage=6),
+        r"heads_per_stage \(6\)",
+    ),
+    (
+        dict(hidden_size=32, num_heads=8, num_kv_heads=8, strategy="ulysses", heads_per_stage=4),
         r"heads_per_stage applies to strategy='upipe' only",
     ),
 ]

@@ -60,7 +60,7 @@ class ContextParallelAttention(nn.Module):
 
     def __init__(
         self,
-        dim: int,
+        hidden_size: int,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int | None = None,
@@ -90,15 +90,20 @@ class ContextParallelAttention(nn.Module):
         if mesh is not None and not spec.mesh:
             on_mesh = [name for name in MODULE_STRATEGIES if get_strategy(name).mesh]
             raise ValueError(f"strategy {strategy!r} takes group=; on a mesh use one of {on_mesh}")
-        for name, val in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        for name, val in (
+            ("hidden_size", hidden_size),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+        ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if head_dim is None:
-            if dim % num_heads:
+            if hidden_size % num_heads:
                 raise ValueError(
-                    f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim"
+                    f"hidden_size ({hidden_size}) is not divisible by num_heads ({num_heads}); "
+                    "pass head_dim"
                 )
-            head_dim = dim // num_heads
+            head_dim = hidden_size // num_heads
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings), got {head_dim}")
         if num_heads % num_kv_heads:
@@ -123,8 +128,8 @@ class ContextParallelAttention(nn.Module):
         self.group, self.mesh = ulysses, mesh
         self.layout = layout or (spec.layout if mesh is None else "zigzag")
         self.strategy, self.heads_per_stage = strategy, heads_per_stage
-        self.dim, self.num_heads, self.num_kv_heads, self.head_dim = (
-            dim,
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
+            hidden_size,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -132,10 +137,10 @@ class ContextParallelAttention(nn.Module):
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         self.causal, self.backend = causal, backend
         kw = dict(bias=False, device=device, dtype=dtype)
-        self.q_proj = nn.Linear(dim, num_heads * head_dim, **kw)
-        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, **kw)
-        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, **kw)
-        self.o_proj = nn.Linear(num_heads * head_dim, dim, **kw)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
         # QK-norm (Qwen3): RMSNorm over each head's d features of q and k, before RoPE
         self.norm_eps = norm_eps
         self.q_norm = (
@@ -159,9 +164,9 @@ class ContextParallelAttention(nn.Module):
         docs = DocumentsArg(cu_seqlens)
 
         def local():
-            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"x must be [batch, local_seq, {self.dim}], got {got}")
+                raise ValueError(f"x must be [batch, local_seq, {self.hidden_size}], got {got}")
             if not isinstance(position_ids, torch.Tensor) or position_ids.shape != x.shape[:2]:
                 got = (
                     tuple(position_ids.shape)

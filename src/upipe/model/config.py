@@ -9,8 +9,8 @@ import dataclasses
 class ModelConfig:
     vocab_size: int = 257
     """Vocabulary size (257 = the byte-level tokenizer: 256 bytes + end-of-document)."""
-    dim: int = 128
-    """Model width D."""
+    hidden_size: int = 128
+    """Model width D (Hugging Face's hidden_size)."""
     n_layers: int = 2
     """Number of decoder blocks."""
     n_heads: int = 8
@@ -18,7 +18,7 @@ class ModelConfig:
     n_kv_heads: int = 4
     """Key/value heads G (G < H: grouped-query attention)."""
     head_dim: int = 16
-    """Head dimension d (need not be dim / n_heads, as in Qwen3)."""
+    """Head dimension d (need not be hidden_size / n_heads, as in Qwen3)."""
     ffn_dim: int = 384
     """Hidden width of the SwiGLU MLP."""
     rope_theta: float = 10000.0
@@ -31,7 +31,7 @@ class ModelConfig:
     """lm_head shares the input embedding's weight."""
 
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
@@ -41,7 +41,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count: embeddings, per block 4 projections + 3 MLP matrices + norms."""
-        D, H, G, d, F = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim
+        D, H, G, d, F = self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim
         block = D * d * (2 * H + 2 * G) + 3 * D * F + 2 * D + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * D
         return self.vocab_size * D + self.n_layers * block + D + head
@@ -54,15 +54,15 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen3": ModelConfig(n_kv_heads=2, qk_norm=True, tie_embeddings=True),
     # the shapes of the published checkpoints (Hugging Face config.json)
     "llama3-8b": ModelConfig(
-        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+        vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
         ffn_dim=14336, rope_theta=500000.0, norm_eps=1e-5,
     ),
     "qwen3-32b": ModelConfig(
-        vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
+        vocab_size=151936, hidden_size=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
         ffn_dim=25600, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
     ),
     "llama3-70b": ModelConfig(
-        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+        vocab_size=128256, hidden_size=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
         ffn_dim=28672, rope_theta=500000.0, norm_eps=1e-5,
     ),
 }  # fmt: skip

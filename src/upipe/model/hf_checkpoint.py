@@ -107,7 +107,7 @@ def config_from_hf(hf: dict | str | Path) -> ModelConfig:
     n_heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
+        hidden_size=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
@@ -136,7 +136,7 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype, base: dict | None = None)
         architectures=[ARCHITECTURES[model_type]],
         model_type=model_type,
         vocab_size=cfg.vocab_size,
-        hidden_size=cfg.dim,
+        hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads,

@@ -36,7 +36,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        D, H, G, d = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        D, H, G, d = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
         self.rope_theta = cfg.rope_theta
         self.q_proj = nn.Linear(D, H * d, bias=False)
@@ -80,9 +80,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=False)
         self.tile_tokens: int | None = None
 
     def _swiglu(self, x_BLD):
@@ -99,9 +99,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(
@@ -118,9 +118,9 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -132,7 +132,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.recompute_blocks = False

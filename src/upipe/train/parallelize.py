@@ -76,7 +76,7 @@ def parallelize(
     for block in model.model.layers:
         old: Attention = block.self_attn
         new = ContextParallelAttention(
-            model.config.dim,
+            model.config.hidden_size,
             old.num_heads,
             old.num_kv_heads,
             old.head_dim,
