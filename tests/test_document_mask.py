@@ -211,7 +211,7 @@ def test_model_plain_path_matches_reference():
 
     cfg = dict(B=2, S=S, dim=32, num_heads=8, num_kv_heads=2)
     ref = module_doc_reference(cfg, CU["mixed"])
-    mc = ModelConfig(dim=32, n_heads=8, n_kv_heads=2, head_dim=4, n_layers=1)
+    mc = ModelConfig(hidden_size=32, n_heads=8, n_kv_heads=2, head_dim=4, n_layers=1)
     attn = Attention(mc).double()
     with torch.no_grad():
         for n, t in make_weights(cfg).items():

@@ -127,7 +127,7 @@ def test_sharded_checkpoints_both_ways(arch, tmp_path):
 
 
 def test_save_in_bfloat16(tmp_path):
-    model = CausalLM(ModelConfig(vocab_size=64, dim=32, ffn_dim=48, qk_norm=True))
+    model = CausalLM(ModelConfig(vocab_size=64, hidden_size=32, ffn_dim=48, qk_norm=True))
     model.init_weights(0)
     save_hf_checkpoint(model, tmp_path, dtype=torch.bfloat16)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -220,7 +220,7 @@ def test_unsupported_configs(change, message):
 def test_load_errors(tmp_path):
     ref = hf_model("llama")
     ref.save_pretrained(tmp_path)
-    other = CausalLM(ModelConfig(vocab_size=101, dim=64))
+    other = CausalLM(ModelConfig(vocab_size=101, hidden_size=64))
     with pytest.raises(ValueError, match=r"n_kv_heads 2 \(checkpoint\) vs 4 \(model\)"):
         load_hf_weights(other, tmp_path)
     qwen3 = tmp_path / "qwen3"
