@@ -93,12 +93,20 @@ class Together(Pending):
         super().__init__(None, lambda: tuple(p.wait() for p in parts))
 
 
-def _exchange(send_CB, group, async_op, finish, keep):
+def _exchange(send_CB, group, async_op, finish, keep, splits=None):
     """all_to_all_single of `send_CB` (destination rank first) into a new buffer, then
     `finish(recv_CB)`; with `async_op` as a `Pending`. The send buffer is released once the
-    exchange is done (`_release`; never `keep`'s storage, the caller's input)."""
-    recv_CB = torch.empty_like(send_CB)
-    work = dist.all_to_all_single(recv_CB, send_CB, group=group, async_op=async_op)
+    exchange is done (`_release`; never `keep`'s storage, the caller's input).
+    `splits`: (elements sent to each rank, elements received from each rank) of a flat
+    `send_CB` whose blocks differ in size (`upipe.comm_uneven`); None: C equal blocks."""
+    if splits is None:
+        recv_CB = torch.empty_like(send_CB)
+        sizes = {}
+    else:
+        in_splits, out_splits = (list(x) for x in splits)
+        recv_CB = send_CB.new_empty(sum(out_splits))
+        sizes = dict(output_split_sizes=out_splits, input_split_sizes=in_splits)
+    work = dist.all_to_all_single(recv_CB, send_CB, group=group, async_op=async_op, **sizes)
 
     def done():
         _release(send_CB, keep=keep)

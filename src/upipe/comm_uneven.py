@@ -28,22 +28,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from upipe.comm import Done, HeadExchange, Pending, _blocks_by_rank, _in_sequence_order, _release
-
-
-def _flat_exchange(send, in_splits, out_splits, group, async_op, finish, keep):
-    """all_to_all_single of the flat `send` with split sizes (elements per rank) into a new
-    flat buffer, then `finish(recv)`; with `async_op` as a `Pending`."""
-    recv = send.new_empty(sum(out_splits))
-    work = dist.all_to_all_single(
-        recv, send, list(out_splits), list(in_splits), group=group, async_op=async_op
-    )
-
-    def done():
-        _release(send, keep=keep)
-        return finish(recv)
-
-    return Pending(work, done) if async_op else done()
+from upipe.comm import (
+    Done,
+    HeadExchange,
+    _blocks_by_rank,
+    _exchange,
+    _in_sequence_order,
+    _release,
+)
 
 
 def seq_to_head_uneven(x_BLnd, counts, group, layout="contiguous", *, async_op=False):
@@ -64,9 +56,8 @@ def seq_to_head_uneven(x_BLnd, counts, group, layout="contiguous", *, async_op=F
 
     splits_in = [c * per_head for c in counts]
     splits_out = [a * per_head] * C
-    return _flat_exchange(
-        send_nBLd.view(-1), splits_in, splits_out, group, async_op, finish, keep=x_BLnd
-    )
+    splits = (splits_in, splits_out)
+    return _exchange(send_nBLd.view(-1), group, async_op, finish, x_BLnd, splits)
 
 
 def head_to_seq_uneven(x_BSad, counts, group, layout="contiguous", *, async_op=False):
@@ -92,9 +83,8 @@ def head_to_seq_uneven(x_BSad, counts, group, layout="contiguous", *, async_op=F
 
     splits_in = [a * per_head] * C
     splits_out = [c * per_head for c in counts]
-    return _flat_exchange(
-        send_CBLad.view(-1), splits_in, splits_out, group, async_op, finish, keep=x_BSad
-    )
+    splits = (splits_in, splits_out)
+    return _exchange(send_CBLad.view(-1), group, async_op, finish, x_BSad, splits)
 
 
 def to_head(ex: HeadExchange, x_BLnd, counts=None, *, async_op=False):
