@@ -181,15 +181,16 @@ class Trainer:
         summed over ranks, are in the masters' `.grad` (in the master dtype)."""
         calls = [call for i in self.micro_batches(step) for call in self.batch(i)]
         count = global_count(sum(count_valid(labels) for _, labels, _, _ in calls))
-        total = 0.0
+        losses = []
         for ids, labels, pos, cu_seqlens in calls:
             loss_sum = self.model(ids, pos, labels, cu_seqlens=cu_seqlens)
             loss = global_token_mean(loss_sum, count_valid(labels), total_count=count)
             loss.backward()
-            total += loss.item()
+            losses.append(loss.detach())
         if not self.cfg.fsdp:
             allreduce_gradients(self.master)
-        return total
+        # one host read per step (not one per call: each would wait for the GPU)
+        return sum(torch.stack(losses).double().tolist())
 
     def optimizer_step(self) -> None:
         """Clip, step the optimizer and the learning rate, round the masters into the
