@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from plan_workers import real_peak
+from plan_workers import assert_simulated_peak_equals_real
 from train_workers import small_config
 
 from upipe.planner.plan import EXTRAPOLATION_DEPTHS, PlanConfig, max_fitting, plan, table
@@ -120,13 +120,7 @@ def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
 def test_simulated_peak_equals_real_run(clusters, strategy, kw):
     """Same config, 2 gloo ranks for real vs simulated under fake tensors (CPU kernels, as
     in the real run): the simulated peak within 2% of the larger rank's measured one."""
-    cfg = small_config(strategy=strategy, nproc=2, **kw)
-    seq_lens = [512, 2048]
-    real = [max(p) for p in zip(*clusters(2).run(real_peak, cfg, seq_lens), strict=True)]
-    with StepSimulator(cfg, 2, kernels="cpu") as sim:
-        simulated = [sim.step(S).peak_bytes for S in seq_lens]
-    for r, s in zip(real, simulated, strict=True):
-        assert abs(s - r) <= 0.02 * r, (real, simulated)
+    assert_simulated_peak_equals_real(clusters, small_config(strategy=strategy, nproc=2, **kw))
 
 
 def test_plan_end_to_end_small():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from plan_workers import real_peak
+from plan_workers import assert_simulated_peak_equals_real
 from train_workers import small_config
 
 from upipe.model import get_config
@@ -25,12 +25,7 @@ def test_simulated_mixed_precision_equals_real_run(clusters, strategy, kw):
     """bf16 compute, fp32 masters: 2 gloo ranks for real vs simulated (CPU kernels), the
     simulated peak within 2% of the larger rank's (the bound of tests/test_plan.py)."""
     cfg = small_config(strategy=strategy, nproc=2, dtype="bfloat16", **kw)
-    seq_lens = [512, 2048]
-    real = [max(p) for p in zip(*clusters(2).run(real_peak, cfg, seq_lens), strict=True)]
-    with StepSimulator(cfg, 2, kernels="cpu") as sim:
-        simulated = [sim.step(S).peak_bytes for S in seq_lens]
-    for r, s in zip(real, simulated, strict=True):
-        assert abs(s - r) <= 0.02 * r, (real, simulated)
+    assert_simulated_peak_equals_real(clusters, cfg)
 
 
 def test_fp32_masters_double_the_persistent_state():
