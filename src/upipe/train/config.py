@@ -148,9 +148,9 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None) -> ModelConfig
 def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> str | None:
     """The first problem with `cfg` on `world` processes, as a message naming the fix
     (`model`: the model's shapes, if not those of `model_config(cfg)`)."""
-    try:
-        m = model or model_config(cfg)
+    try:  # the tokenizer is read once, for its vocabulary
         vocab = VOCAB_SIZE if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer).vocab_size
+        m = model or model_config(cfg, vocab)
     except (ValueError, OSError) as e:
         return str(e)
     positive = ("nproc", "seq_len", "batch_size", "steps", "mlp_tile", "loss_chunk")
