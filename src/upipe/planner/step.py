@@ -369,7 +369,7 @@ def _synthetic_batch(trainer, index: int, *, held_out: bool = False) -> list[tup
     trainer runs the B rows one at a time, which holds less; on CUDA the documents of a
     stage are one varlen kernel call, no larger than the dense one.)"""
     B, S = trainer.cfg.batch_size, trainer.cfg.seq_len
-    pos_L = trainer.cp.positions(S + (-S) % trainer.cp_multiple)
+    pos_L = trainer.cp.positions(trainer.padded(S))
     ids = torch.zeros(B, pos_L.numel(), dtype=torch.int64)
     return [(ids, torch.zeros_like(ids), pos_L.expand(B, -1).contiguous(), None)]
 

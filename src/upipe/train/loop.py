@@ -89,7 +89,7 @@ class Trainer:
         self.mesh = mesh
         self.cp = context_parallel(cfg.strategy, self.mesh)
         self.dp, self.dp_rank = mesh["dp"].size(), self.mesh.get_local_rank("dp")
-        self.cp_multiple = padded_length(dataclasses.replace(cfg, seq_len=1), world)
+        self._multiple = padded_length(dataclasses.replace(cfg, seq_len=1), world)
         compute, master = DTYPES[cfg.dtype], DTYPES[cfg.master_dtype]
         eval_fraction = cfg.eval_fraction if cfg.eval_every else 0.0
         self.data = PackedTokens(
@@ -125,6 +125,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self._positions = {}
 
+    def padded(self, seq_len: int) -> int:
+        """`seq_len` padded to what the layout splits evenly (`padded_length`)."""
+        return seq_len + (-seq_len) % self._multiple
+
     def positions(self, seq_len: int) -> torch.Tensor:
         """Global positions `[L]` of this rank's tokens, the sequence padded."""
         if seq_len not in self._positions:
@@ -146,7 +150,7 @@ class Trainer:
         cfg, data = self.cfg, self.data
         read = data.eval_batch if held_out else data.batch
         ids_BS, labels_BS = read(index, cfg.batch_size, cfg.seq_len)
-        S = cfg.seq_len + (-cfg.seq_len) % self.cp_multiple
+        S = self.padded(cfg.seq_len)
         ids_BS = torch.nn.functional.pad(ids_BS, (0, S - cfg.seq_len), value=0)
         labels_BS = torch.nn.functional.pad(labels_BS, (0, S - cfg.seq_len), value=IGNORE_INDEX)
         pos_L = self.positions(S)
