@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,hf,train]'
+	$(PY) -m pip install --quiet -e '.[dev,hf,train,integrations,jax]'
 	touch $@
 
 .PHONY: train demo test lint
