@@ -1,11 +1,15 @@
 # Two commands on a fresh machine:  `make train` (the main job)  and  `make test`.
-# Both create .venv and install upipe with torch pinned (a CPU build where one is available).
+# Both create .venv and install upipe with torch==2.13.0 pinned.
+# Which torch build that is depends on the index: on Linux x86_64 PyPI's torch 2.13.0 is the CUDA
+# build (with ~3 GB of nvidia-* wheels); a CPU-only machine gets the CPU build (~200 MB) from
+# PyTorch's CPU index with   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
 VENV ?= .venv
 PY := $(VENV)/bin/python
+TORCH_INDEX ?=
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,hf,train,integrations,jax]'
 	touch $@
 
