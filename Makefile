@@ -1,7 +1,7 @@
 # Two commands on a fresh machine:  `make train` (the main job)  and  `make test`.
 # Both create .venv and install upipe with torch==2.13.0 pinned.
 # Which torch build that is depends on the index: on Linux x86_64 PyPI's torch 2.13.0 is the CUDA
-# build (with ~3 GB of nvidia-* wheels); a CPU-only machine gets the CPU build (~200 MB) from
+# build (several GB with its nvidia-* wheels); a CPU-only machine gets the CPU build (192 MB) from
 # PyTorch's CPU index with   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
 VENV ?= .venv
 PY := $(VENV)/bin/python
