@@ -23,7 +23,7 @@ LAYERS = {
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",
     ),
     # the strategies, and the public API that re-exports them
-    "attention": ("upipe.attention", "upipe"),
+    "attention": ("upipe.attention", "upipe", "upipe.jax"),
     # the decoder (no parallelism in it) and the loss
     "model": ("upipe.model", "upipe.loss"),
     # the training stack; the same attention swap for Hugging Face models
