@@ -143,6 +143,11 @@ def _error_case(name, group, apply_context_parallel, shard_batch):
         del kw["position_ids"]
     elif name == "labels":
         kw["labels"] = batch["labels"]
+    elif name == "shift_labels_shape":
+        kw["labels"] = kw["shift_labels"] = batch["labels"][:, 1:]
+    elif name == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(**kw)
     elif name == "packed":  # positions restart mid-shard (a second document)
         kw["position_ids"] = kw["position_ids"].clone()
         kw["position_ids"][:, 5:] -= kw["position_ids"][:, 5:6]
@@ -198,3 +203,26 @@ def run_packed(rank, world_size, arch, strategy, state, bounds=PACKED_BOUNDS):
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return logits.detach(), loss.detach(), grads, repr(model.model.layers[0].self_attn)
+
+
+def model_losses(rank, world_size, arch, state, reference_logits):
+    """The loss of the converted model three ways: causal_lm_loss on its logits, the model's
+    own (labels= with shift_labels=), and its share given the global count of valid labels
+    (num_items_in_batch, as transformers' Trainer passes it); and causal_lm_loss on this
+    rank's block of the unmodified model's logits."""
+    from upipe.comm import shard_sequence
+    from upipe.integrations.hf import apply_context_parallel, causal_lm_loss, shard_batch
+
+    group = dist.group.WORLD
+    model = apply_context_parallel(build_model(arch, seed=123), group=group)
+    model.load_state_dict(state)
+    batch = shard_batch(make_batch(), group=group)
+    labels = batch.pop("labels")
+    ours = causal_lm_loss(model(**batch).logits, labels, group=group)
+    own = model(**batch, labels=labels, shift_labels=labels).loss
+    count = (labels != -100).sum()
+    dist.all_reduce(count, group=group)
+    share = model(**batch, labels=labels, shift_labels=labels, num_items_in_batch=count).loss
+    reference_BLV = shard_sequence(reference_logits, group=group)
+    on_reference = causal_lm_loss(reference_BLV, labels, group=group)
+    return ours.item(), own.item(), share.item(), on_reference.item()

@@ -72,6 +72,24 @@ def test_packed_documents_match_each_document_alone(clusters, arch, strategy, wo
     _check(results, arch, reference=_packed_reference)
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_loss_is_transformers_loss(clusters, world):
+    """causal_lm_loss and the model's own loss (labels= with shift_labels=) are the same
+    number on every rank: total / count, transformers' formula -- on one process, given the
+    unmodified model's logits, exactly its loss. With num_items_in_batch each rank returns
+    its share, as transformers' loss does; the shares add up to the loss."""
+    logits, loss, _, state = _reference("llama")
+    results = clusters(world).run(W.model_losses, "llama", state, logits)
+    ours, own, _, on_reference = results[0]
+    for r in results:  # bit for bit the same on every rank
+        assert (r[0], r[1], r[3]) == (ours, own, on_reference)
+    assert own == ours
+    if world == 1:
+        assert on_reference == loss.item()
+    for value in (ours, on_reference, sum(r[2] for r in results)):
+        assert abs(value - loss.item()) / loss.item() < TOL32["fwd"]
+
+
 ERRORS = {
     "sliding_window": "sliding-window attention is not supported",
     "dynamic_rope": "rope type 'dynamic' is not supported",
@@ -81,6 +99,8 @@ ERRORS = {
     "padding_rank0": "attention_mask with padding is not supported",
     "no_positions": "position_ids are required",
     "labels": "labels= would give a loss over this rank's tokens only",
+    "shift_labels_shape": "shift_labels must be this rank's [2, 32] labels",
+    "autocast": "autocast (mixed precision",
     "packed": "packed sequences",
     "documents_vs_positions": "position_ids do not restart at 0 at the documents",
 }

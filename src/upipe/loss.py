@@ -116,11 +116,14 @@ def global_token_mean(
 ) -> torch.Tensor:
     """The loss averaged over every valid token of all ranks in `group`.
 
-    Returns the same value on every rank: sum_r loss_sum_r / sum_r num_valid_r. Its gradient
-    on rank r is rank r's share, d loss_sum_r / sum_r num_valid_r, so summing parameter
-    gradients over the ranks (what context parallelism and FSDP with a sum reduction do)
-    gives exactly the gradient of the global mean. Padding (ignored labels) is handled by
-    the counts; a rank holding only padding contributes 0 to both sums.
+    Returns the same value on every rank, computed as transformers computes its causal-LM
+    loss (`fixed_cross_entropy`: the sum, then one division): total / count with total =
+    sum_r loss_sum_r and count = sum_r num_valid_r, so one process gives exactly
+    `F.cross_entropy(..., reduction="mean")`. Its gradient on rank r is rank r's share,
+    d loss_sum_r / count, so summing parameter gradients over the ranks (what context
+    parallelism and FSDP with a sum reduction do) gives exactly the gradient of the global
+    mean. Padding (ignored labels) is handled by the counts; a rank holding only padding
+    contributes 0 to both sums.
 
     `total_count`: divide by this global count instead (`global_count` of the valid tokens
     of all the micro-batches of an optimizer step): each micro-batch then returns its share
@@ -138,4 +141,19 @@ def global_token_mean(
         total = loss_sum.detach().float().clone()
         if reduce:
             dist.all_reduce(total, group=group)
-    return (loss_sum.float() + (total - loss_sum.detach().float())) / total_count
+    return _ShareOfMean.apply(loss_sum.float(), total, total_count)
+
+
+class _ShareOfMean(torch.autograd.Function):
+    """value: total / count, bit for bit (no `loss_sum + (total - loss_sum)`, which is one
+    rounding away from `total` and may differ between ranks); gradient: d loss_sum / count."""
+
+    @staticmethod
+    def forward(ctx, loss_sum, total, count):
+        ctx.save_for_backward(count)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        (count,) = ctx.saved_tensors
+        return grad / count, None, None

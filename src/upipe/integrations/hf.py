@@ -34,6 +34,8 @@ packed or not.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -193,21 +195,31 @@ def _input_hook(state):
         pos = kwargs.get("position_ids")
         mask = kwargs.get("attention_mask")
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        labels_given, state["labels"] = state["labels"], False
+        # (labels given, shift_labels' shape or None), noted by the model's own pre-hook: a
+        # wrapper such as TRL's fused head consumes them before calling the decoder stack
+        (labels_given, shifted), state["labels"] = state["labels"], (False, None)
         block, n_blocks = _block_index(state["group"], state["mesh"])
         state["docs"] = None
 
         def local():
-            if labels_given:
+            if labels_given and shifted is None:
                 raise ValueError(
-                    "labels= would give a loss over this rank's tokens only; call the model "
-                    "without labels and use upipe.integrations.hf.causal_lm_loss(logits, labels, "
-                    "group=...) with labels from shard_batch"
+                    "labels= would give a loss over this rank's tokens only: transformers shifts "
+                    "them within the shard, losing the label of its last token (the next rank's "
+                    "first); pass the labels shard_batch returns (already shifted) as "
+                    "shift_labels= (and labels=, which transformers needs to compute a loss), or "
+                    "call the model without labels and use causal_lm_loss"
                 )
             if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
                 raise ValueError("past_key_values / use_cache=True (generation) are not supported")
             if x is None or x.dim() < 2:
                 raise ValueError("pass input_ids [batch, local_seq] or inputs_embeds")
+            if torch.is_autocast_enabled(x.device.type):
+                raise ValueError(
+                    "autocast (mixed precision: the Trainer's bf16=True / fp16=True) is not "
+                    "supported: the fused attention takes the weights in their own dtype; load "
+                    "the model in torch.bfloat16 and train with bf16=False, or train in fp32"
+                )
             B, L = x.shape[:2]
             if not isinstance(pos, torch.Tensor):
                 raise ValueError(
@@ -216,6 +228,11 @@ def _input_hook(state):
                 )
             if pos.dim() != 2 or pos.shape[1] != L or pos.shape[0] not in (1, B):
                 raise ValueError(f"position_ids must be [{B}, {L}], got {tuple(pos.shape)}")
+            if shifted is not None and shifted != (B, L):
+                raise ValueError(
+                    f"shift_labels must be this rank's [{B}, {L}] labels (shard_batch's), got "
+                    f"{list(shifted)}"
+                )
             if cu_q is not None or cu_k is not None:
                 state["docs"] = _check_documents(cu_q, cu_k, pos, block, n_blocks * L)
             elif L > 1 and not bool((pos.diff(dim=-1) == 1).all()):
@@ -278,11 +295,15 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
     ulysses, `upipe.make_mesh`). `strategy`: "upipe" (the fused staged op; `heads_per_stage`
     as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only).
     Each rank then holds a contiguous block of the sequence (`shard_batch`), calls the model
-    with `position_ids` and without labels, and computes the loss with `causal_lm_loss`.
-    Also sets the model's attention implementation to "upipe" (so transformers builds no
-    `[L, L]` mask that would go unused) and `config.use_cache = False`. Raises ValueError for
-    unsupported models and options (sliding window shorter than the sequence -- checked per call --,
-    dynamic rope, attention dropout, padding masks, labels=, generation).
+    with `position_ids`, and computes the loss with `causal_lm_loss` -- or lets the model do
+    it: `model(..., labels=l, shift_labels=l)` with `l` shard_batch's (already shifted)
+    labels returns the same loss (`model.loss_function` is set to upipe's; with transformers'
+    `num_items_in_batch` it is this rank's share, as the Trainer expects: see
+    `upipe.integrations.trainer`). Also sets the model's attention implementation to "upipe"
+    (so transformers builds no `[L, L]` mask that would go unused) and `config.use_cache =
+    False`. Raises ValueError for unsupported models and options (sliding window shorter
+    than the sequence -- checked per call --, dynamic rope, attention dropout, padding masks,
+    labels= without shift_labels=, generation).
     """
     _check_model(model)
     cfg, base = model.config, model.model
@@ -293,7 +314,7 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
         "ulysses": ulysses,
         "agree": agree,
         "window": _sliding_window(cfg),
-        "labels": False,
+        "labels": (False, None),
         "docs": None,
     }
     for layer in base.layers:
@@ -310,9 +331,12 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
     cfg.use_cache = False
 
     def note_labels(module, args, kwargs):
-        state["labels"] = kwargs.get("labels") is not None
+        shifted = kwargs.get("shift_labels")
+        shape = None if shifted is None else tuple(shifted.shape)
+        state["labels"] = (kwargs.get("labels") is not None, shape)
 
     model.register_forward_pre_hook(note_labels, with_kwargs=True)
+    model.loss_function = functools.partial(_model_loss, group=_sequence_group(group, mesh))
     base.register_forward_pre_hook(_input_hook(state), with_kwargs=True)
     return model
 
@@ -375,16 +399,46 @@ def packed_boundaries(position_ids_BS) -> tuple[int, ...] | None:
 def causal_lm_loss(logits_BLV, labels_BL, *, group=None, mesh=None):
     """Cross-entropy averaged over the valid tokens (labels != -100) of the whole sequence.
 
-    The value is the global mean on every rank; its gradient is this rank's share, so the
-    parameter gradients summed over the ranks are those of the single-process loss.
+    The value is the global mean on every rank, total / count as transformers computes it
+    (`upipe.loss.global_token_mean`); its gradient is this rank's share, so the parameter
+    gradients summed over the ranks are those of the single-process loss.
     """
-    loss_sum = F.cross_entropy(
+    return _global_mean(logits_BLV, labels_BL, _sequence_group(group, mesh))
+
+
+def _global_mean(logits_BLV, labels_BL, group):
+    loss_sum = _cross_entropy_sum(logits_BLV, labels_BL)
+    return global_token_mean(loss_sum, count_valid(labels_BL), group)
+
+
+def _cross_entropy_sum(logits_BLV, labels_BL, ignore_index=IGNORE_INDEX):
+    return F.cross_entropy(
         logits_BLV.flatten(0, 1).float(),
         labels_BL.flatten(),
-        ignore_index=IGNORE_INDEX,
+        ignore_index=ignore_index,
         reduction="sum",
     )
-    return global_token_mean(loss_sum, count_valid(labels_BL), group=_sequence_group(group, mesh))
+
+
+def _model_loss(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+    shift_labels=None, *, group, **kwargs,
+):  # fmt: skip
+    """A converted model's `loss_function` (transformers calls it with the model's `labels=`
+    and keywords; the input hook has made sure `shift_labels` -- this rank's labels, shifted
+    on the full sequence -- came with them).
+
+    With `num_items_in_batch` (transformers' Trainer passes the count of valid labels of
+    every rank and micro-batch of the optimizer step): this rank's share, sum / count, as
+    transformers' `ForCausalLMLoss` computes it; the Trainer multiplies it by the number of
+    processes and DDP averages the gradients, so the step's gradient is the global mean's.
+    Without: the mean over the whole sequence on every rank (`causal_lm_loss`)."""
+    if num_items_in_batch is None:
+        return _global_mean(logits, shift_labels, group)
+    loss_sum = _cross_entropy_sum(logits, shift_labels, ignore_index)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss_sum.device)
+    return loss_sum / num_items_in_batch
 
 
 __all__ = [

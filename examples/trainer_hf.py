@@ -1,0 +1,178 @@
+"""Train a Hugging Face causal LM with transformers' Trainer or TRL's SFTTrainer, each sequence
+split over the torchrun ranks by upipe (context parallelism).
+
+    torchrun --nproc-per-node 4 examples/trainer_hf.py                 # Trainer, UPipe, 4 CPU ranks
+    torchrun --nproc-per-node 2 examples/trainer_hf.py --trainer sft --strategy ulysses
+    python examples/trainer_hf.py --no-context-parallel                # the unmodified model
+
+The data: paragraphs of a local text file as documents of bytes (no tokenizer, no download).
+`--trainer trainer` packs each batch's documents into one row (transformers'
+`DataCollatorWithFlattening`: position ids restart per document, which upipe masks);
+`--trainer sft` pads them into rows (TRL's collator; padding on the right). The model:
+`--model-dir` (a local Hugging Face directory, with a tokenizer for sft), or a small Llama
+with random weights built from a config. Every step's loss (and the held-out loss at the
+end) go to `--losses` as JSON; the Trainer saves its checkpoint to `--output-dir`.
+
+What changes against a plain Trainer script: `apply_context_parallel(model, group=...)`, and
+the trainer class gets `ContextParallelMixin` in front (`upipe.integrations.trainer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 258  # 256 bytes, <pad>, <eos>
+PAD, EOS = 256, 257
+
+
+def byte_documents(path: str, n: int, max_len: int) -> list[list[int]]:
+    """The first `n` paragraphs of `path` (at least 8 bytes, cut to `max_len`) as bytes."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    paragraphs = [p.encode() for p in text.split("\n\n") if len(p.encode()) >= 8]
+    return [list(p[:max_len]) for p in paragraphs[:n]]
+
+
+def byte_tokenizer():
+    """A tokenizer over the 256 bytes plus <pad>/<eos> (SFTTrainer wants one for its ids)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(256)} | {"<pad>": PAD, "<eos>": EOS}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def small_model():
+    """A 2-layer Llama (8 query / 4 kv heads, head dim 16), the same random weights on every
+    rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float()
+
+
+def train(args) -> dict:
+    import datasets
+    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer
+
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:  # before TrainingArguments, which would otherwise make the group
+        timeout = datetime.timedelta(seconds=args.timeout)
+        dist.init_process_group("gloo", timeout=timeout)
+    if args.model_dir:
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    else:
+        model = small_model()
+    cp = {}
+    if args.context_parallel and distributed:
+        from upipe.integrations.hf import apply_context_parallel
+        from upipe.integrations.trainer import ContextParallelMixin
+
+        apply_context_parallel(model, group=dist.group.WORLD, strategy=args.strategy)
+        cp = {"context_parallel_group": dist.group.WORLD}
+
+    docs = byte_documents(args.text, args.docs, args.doc_len)
+    held_out = len(docs) // 5
+    train_set = datasets.Dataset.from_dict({"input_ids": docs[held_out:]})
+    eval_set = datasets.Dataset.from_dict({"input_ids": docs[:held_out]})
+    settings = dict(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        per_device_eval_batch_size=args.batch,
+        learning_rate=args.lr,
+        optim=args.optim,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=args.steps,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    if distributed:
+        settings.update(ddp_backend="gloo", ddp_timeout=args.timeout)
+        settings.update(ddp_find_unused_parameters=False)
+    if args.trainer == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        base = SFTTrainer
+        training_args = SFTConfig(**settings, max_length=None, bf16=False)
+        kw = dict(processing_class=_tokenizer(args))
+    else:
+        from transformers import TrainingArguments
+
+        base = Trainer
+        training_args = TrainingArguments(**settings)
+        kw = dict(data_collator=DataCollatorWithFlattening())
+    if cp:
+        base = type(f"ContextParallel{base.__name__}", (ContextParallelMixin, base), {})
+    trainer = base(
+        model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set, **kw, **cp
+    )
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    if distributed:
+        dist.destroy_process_group()
+    return {"losses": losses, "eval_loss": eval_loss}
+
+
+def _tokenizer(args):
+    if args.model_dir and (Path(args.model_dir) / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(args.model_dir)
+    return byte_tokenizer()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer")
+    p.add_argument("--strategy", choices=("upipe", "ulysses", "ring"), default="upipe")
+    p.add_argument("--no-context-parallel", dest="context_parallel", action="store_false")
+    p.add_argument("--model-dir", help="a local Hugging Face model directory")
+    p.add_argument("--text", default=str(ROOT / "README.md"), help="the documents' source")
+    p.add_argument("--docs", type=int, default=40, help="documents (a fifth held out)")
+    p.add_argument("--doc-len", type=int, default=256, help="bytes per document at most")
+    p.add_argument("--batch", type=int, default=4, help="documents per batch")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim")
+    p.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "upipe-trainer"))
+    p.add_argument("--losses", help="write the losses here (JSON)")
+    p.add_argument("--timeout", type=int, default=300, help="process group timeout, seconds")
+    args = p.parse_args()
+    result = train(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result))
+        if args.losses:
+            Path(args.losses).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
