@@ -1,8 +1,13 @@
 """A local gloo cluster: N spawned CPU ranks on 127.0.0.1 that run functions on request.
 
-Used by the CLI's CPU demos and by the tests. It never hangs: the process group has a
-timeout, every call has a wall-clock limit, and a rank that raises fails the call with its
-traceback (the cluster is then restarted, since its peers may be stuck in a collective).
+Used by the CLI's CPU demos and by the tests. It never hangs and says what happened: the
+process group has a timeout, every call has a wall-clock limit, and a call fails with a
+`DistributedError` whose first line names each rank that failed and how (`RankFailure`):
+it raised (its own error, then its traceback), was killed (by which signal), exited, or
+stopped answering (its peers time out in their next collective after `pg_timeout_s`; the
+rank is then found frozen, e.g. by SIGSTOP, or still running). The cluster is then
+restarted, since its peers may be stuck in a collective. The ranks die with the process
+that started them, however it ends (kill -9 included; `die_with_parent`).
 
     with LocalCluster(4) as cluster:
         results = cluster.run(fn, arg1, arg2)   # fn(rank, world_size, arg1, arg2) on each rank
@@ -15,17 +20,101 @@ and one intra-op thread per rank unless `threads` says otherwise.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+GRACE_S = 5.0  # once a rank failed, how long its peers may take to report theirs
+POLL_S = 0.5  # how often a call looks for ranks that died without reporting
+STOPPED = ("T", "t")  # process states of /proc/<pid>/stat: stopped by a signal, by a tracer
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """End this process as soon as its parent (`parent_pid`, default: the current one) ends,
+    however it ends, kill -9 included: on Linux the kernel sends this process SIGKILL
+    (`prctl(PR_SET_PDEATHSIG)`; it fires when the *thread* that started this process
+    exits, so start ranks from a thread that outlives them, such as the main thread);
+    elsewhere a daemon thread polls the parent's pid once a second."""
+    parent = os.getppid() if parent_pid is None else parent_pid
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
+            if os.getppid() != parent:  # it ended before the signal was armed
+                os._exit(1)
+            return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """How one rank of a call failed."""
+
+    rank: int
+    what: str
+    """One of "raised", "killed" (by a signal), "exited" (without reporting), "frozen" (its
+    process is stopped), "silent" (still running, no answer), "late" (out of time)."""
+    message: str
+    """One line: the exception ("ValueError: ...") or what was seen of the process."""
+    error_type: str = ""
+    """The exception's class as `module.QualName` (raised only)."""
+    traceback: str = ""
+
+    def describe(self) -> str:
+        return f"raised {self.message}" if self.what == "raised" else self.message
+
 
 class DistributedError(RuntimeError):
-    """A rank of a `LocalCluster` raised, or the call ran past its time limit."""
+    """A call on a `LocalCluster` failed: `failures` say which ranks and how, `summary` in
+    one line; the message is `headline` (what was running: the summary), then the ranks'
+    tracebacks."""
+
+    def __init__(self, doing: str, failures: list[RankFailure]):
+        self.failures = failures
+        self.summary = "; ".join(_grouped(failures))
+        self.headline = f"{doing}: {self.summary}"
+        details = "".join(
+            f"\n--- rank {f.rank} ---\n{f.traceback}" for f in failures if f.traceback
+        )
+        super().__init__(self.headline + details)
+
+
+def _grouped(failures: list[RankFailure]) -> list[str]:
+    """The failures as phrases ("rank 1 was killed by SIGKILL", "ranks 0, 2 raised
+    ValueError: ..."): the ranks that died or stopped first (the likely causes), then the
+    others in the order they failed; ranks with the same message together."""
+    order = {"killed": 0, "exited": 0, "frozen": 0, "raised": 1, "silent": 2, "late": 2}
+    groups: dict[str, list[int]] = {}
+    for f in sorted(failures, key=lambda f: order[f.what]):  # stable: arrival order kept
+        groups.setdefault(f.describe(), []).append(f.rank)
+    return [
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))} {text}"
+        for text, ranks in groups.items()
+    ]
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of `/proc/<pid>/stat` ("R", "S", "T" stopped, ...); None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _free_port() -> int:
@@ -34,7 +123,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, pg_timeout_s, threads, tasks, results):
+def _worker(rank, world_size, port, pg_timeout_s, threads, parent_pid, tasks, results):
+    die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
 
@@ -47,8 +137,8 @@ def _worker(rank, world_size, port, pg_timeout_s, threads, tasks, results):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
-    except Exception:
-        results.put((rank, False, traceback.format_exc()))
+    except Exception as e:
+        results.put((rank, False, _report(e)))
         return
     results.put((rank, True, "ready"))
     while True:
@@ -58,9 +148,17 @@ def _worker(rank, world_size, port, pg_timeout_s, threads, tasks, results):
         fn, args = task
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+        except BaseException as e:
+            results.put((rank, False, _report(e)))
     dist.destroy_process_group()
+
+
+def _report(e: BaseException) -> tuple[str, str, str]:
+    """(one line "Type: first line of the message", `module.QualName`, the traceback)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    kind = type(e)
+    line = f"{kind.__name__}: {first}" if first else kind.__name__
+    return line, f"{kind.__module__}.{kind.__qualname__}", traceback.format_exc()
 
 
 class LocalCluster:
@@ -77,6 +175,8 @@ class LocalCluster:
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if pg_timeout_s <= 0:
+            raise ValueError(f"pg_timeout_s must be > 0, got {pg_timeout_s}")
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.pg_timeout_s = pg_timeout_s
@@ -108,6 +208,7 @@ class LocalCluster:
                         port,
                         self.pg_timeout_s,
                         self.threads,
+                        os.getpid(),
                         self._tasks[r],
                         self._results,
                     ),
@@ -125,11 +226,12 @@ class LocalCluster:
                     os.environ[k] = v
         self._collect(self.timeout_s, "starting the ranks")
 
-    def close(self) -> None:
+    def close(self, *, wait_s: float = 10.0) -> None:
+        """Stop the ranks: ask them to leave, wait up to `wait_s`, then kill what is left."""
         for q in getattr(self, "_tasks", []):
             with contextlib.suppress(OSError, ValueError):
                 q.put(None)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + wait_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
@@ -137,32 +239,62 @@ class LocalCluster:
                 p.join()
         self._procs = []
 
-    def _collect(self, timeout_s: float, what: str) -> list:
+    def _unanswered(self, rank: int, *, out_of_time: float | None) -> RankFailure:
+        """What is seen of a rank that gave no answer (`out_of_time`: the call's limit ran
+        out, else its peers failed and it did not report within the grace period)."""
+        p = self._procs[rank]
+        if not p.is_alive():
+            code = p.exitcode
+            if code is not None and code < 0:
+                name = signal.Signals(-code).name
+                return RankFailure(rank, "killed", f"was killed by {name} (pid {p.pid})")
+            return RankFailure(rank, "exited", f"exited with status {code} without reporting")
+        if _process_state(p.pid) in STOPPED:
+            return RankFailure(
+                rank,
+                "frozen",
+                f"is frozen: its process {p.pid} is stopped (SIGSTOP or a debugger); its "
+                f"peers give up waiting for it after their {self.pg_timeout_s:g} s timeout",
+            )
+        if out_of_time is not None:
+            return RankFailure(rank, "late", f"did not finish within {out_of_time:g} s")
+        return RankFailure(
+            rank, "silent", f"was still running {GRACE_S:g} s after the first failure"
+        )
+
+    def _collect(self, timeout_s: float, doing: str) -> list:
         out: dict[int, object] = {}
-        failures: dict[int, str] = {}
+        failures: dict[int, RankFailure] = {}  # in the order they were seen
         deadline = time.monotonic() + timeout_s
+        grace_end = None
         while len(out) + len(failures) < self.world_size:
-            # once a rank failed, its peers get a short grace period to report, then go
-            limit = deadline if not failures else min(deadline, time.monotonic() + 5)
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + GRACE_S
+            end = deadline if grace_end is None else min(deadline, grace_end)
+            left = end - time.monotonic()
+            if left <= 0:
+                break
             try:
-                rank, ok, value = self._results.get(timeout=max(0.01, limit - time.monotonic()))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if time.monotonic() < limit and not dead:
-                    continue
-                self.close()
-                missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
-                msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-                raise DistributedError(
-                    f"{what}: ranks {missing} did not answer within {timeout_s:.0f} s"
-                    + (f" (dead: {dead})" if dead else "")
-                    + msg
-                ) from None
-            (out if ok else failures)[rank] = value
+                rank, ok, value = self._results.get(timeout=min(POLL_S, left))
+            except queue.Empty:  # a rank that died or froze says nothing: look
+                waiting = [r for r in range(self.world_size) if r not in out and r not in failures]
+                for r in waiting:
+                    if not self._procs[r].is_alive():
+                        failures[r] = self._unanswered(r, out_of_time=None)
+                if failures and all(_process_state(self._procs[r].pid) in STOPPED for r in waiting):
+                    break  # the rest are frozen: no use waiting out the grace period
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                failures[rank] = RankFailure(rank, "raised", *value)
+        missing = [r for r in range(self.world_size) if r not in out and r not in failures]
+        out_of_time = None if failures else timeout_s
+        for r in missing:
+            failures[r] = self._unanswered(r, out_of_time=out_of_time)
         if failures:
-            self.close()
-            msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-            raise DistributedError(f"{what}: {len(failures)} rank(s) raised:{msg}")
+            self.close(wait_s=2)  # ranks that reported leave; the rest are killed
+            raise DistributedError(doing, list(failures.values()))
         return [out[r] for r in range(self.world_size)]
 
     def run(self, fn, *args, timeout_s: float | None = None) -> list:
