@@ -9,8 +9,10 @@ import torch.distributed as dist
 
 from upipe.train import TrainConfig, Trainer
 
-# a small corpus that is on every checkout: the package's own sources
-CORPUS = str(Path(__file__).resolve().parents[1] / "src" / "upipe")
+# a small corpus that is on every checkout: the package's own (non-empty) source files, not
+# the directory (its __pycache__ holds binary files, which --data refuses)
+_SRC = Path(__file__).resolve().parents[1] / "src" / "upipe"
+CORPUS = ",".join(sorted(str(p) for p in _SRC.rglob("*.py") if p.stat().st_size))
 
 
 def small_config(**kw) -> TrainConfig:

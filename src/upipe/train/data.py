@@ -33,6 +33,7 @@ existed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -116,8 +117,9 @@ def corpus_files(spec: str | None) -> list[Path]:
     return files
 
 
-def _dataset_documents(path: Path, seed: int, rows_per_read: int = 1024) -> Iterator[bytes]:
-    """The "text" column of a saved dataset (its "train" split), rows shuffled by `seed`."""
+def _train_split(path: Path):
+    """The saved dataset at `path` (a DatasetDict: its "train" split); ValueError naming
+    what is missing."""
     datasets = _import_datasets()
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
@@ -126,33 +128,164 @@ def _dataset_documents(path: Path, seed: int, rows_per_read: int = 1024) -> Iter
         ds = ds["train"]
     if "text" not in ds.column_names:
         raise ValueError(f'--data {path}: no "text" column (columns: {ds.column_names})')
-    ds = ds.select_columns(["text"])
+    return ds
+
+
+def _dataset_documents(
+    path: Path, seed: int, on_bad: str, rows_per_read: int = 1024
+) -> Iterator[bytes]:
+    """The "text" column of a saved dataset (its "train" split), rows shuffled by `seed`;
+    a row whose text is not a string raises (on_bad "raise") or is left out."""
+    try:
+        ds = _train_split(path).select_columns(["text"])
+    except ValueError:
+        if on_bad == "skip":  # the whole source is bad (`check_corpus` counted it)
+            return
+        raise
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))
     for first in range(0, len(ds), rows_per_read):
         rows = order[first : first + rows_per_read].tolist()
         for row, text in zip(rows, ds[rows]["text"], strict=True):
-            if not isinstance(text, str):
+            if isinstance(text, str):
+                yield text.encode()
+            elif on_bad == "raise":
                 raise ValueError(f'--data {path}: row {row} has a "text" of type {type(text)}')
-            yield text.encode()
 
 
-def _documents(path: Path, seed: int = 0) -> Iterator[bytes]:
-    """The documents of one source as bytes: each JSON line's "text", a saved dataset's
-    rows, or the whole file."""
+def _dataset_check(path: Path) -> tuple[int, list[str]]:
+    """(rows with a text, one line per row without) of a saved dataset, from the column's
+    type and null count (Arrow metadata: no row is read)."""
+    ds = _train_split(path)
+    if getattr(ds.features["text"], "dtype", None) not in ("string", "large_string"):
+        raise ValueError(
+            f'--data {path}: the "text" column holds {ds.features["text"]}, not strings'
+        )
+    nulls = ds.data.column("text").null_count
+    return len(ds) - nulls, [f"{path}: a row with no text (null)"] * nulls
+
+
+def _utf8(data: bytes, where: str, *, one_line: bool = False) -> str | None:
+    """What keeps `data` from being UTF-8 text, in words naming the place (`one_line`: data
+    is one line, so the place is a column); None if it is text."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        return f"{where}: binary, not text (a NUL byte at offset {nul})"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        place = f"column {e.start - line_start + 1}"
+        if not one_line:
+            line = data.count(b"\n", 0, e.start) + 1
+            place = f"line {line}, {place}"
+        return f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at {place})"
+    return None
+
+
+def _json_text(line: bytes, where: str) -> tuple[bytes | None, str | None]:
+    """(the UTF-8 "text" of one JSON line, None) or (None, what is wrong with it)."""
+    line = line.rstrip(b"\r\n")
+    problem = _utf8(line, where, one_line=True)
+    if problem:
+        return None, problem
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"{where}: not JSON ({e.msg}: column {e.colno})"
+    if not isinstance(record, dict) or "text" not in record:
+        what = f"keys {list(record)[:5]}" if isinstance(record, dict) else type(record).__name__
+        return None, f'{where}: expected a JSON object with a "text" string, got {what}'
+    text = record["text"]
+    if not isinstance(text, str):
+        return None, f'{where}: "text" is {type(text).__name__} {text!r:.40}, not a string'
+    try:
+        return text.encode(), None
+    except UnicodeEncodeError as e:
+        return None, f'{where}: "text" holds an unpaired surrogate at character {e.start}'
+
+
+def _records(path: Path) -> Iterator[tuple[bytes | None, str | None]]:
+    """The documents of a text or JSON-lines file, each (its UTF-8 text, None), or (None,
+    what is wrong, naming the file and line) for a record that is not a document: an empty
+    or binary or non-UTF-8 file, a JSON line that is not an object with a "text" string,
+    a JSON-lines file with no line, a file that cannot be read."""
+    try:
+        if path.suffix in (".jsonl", ".ndjson"):
+            found = False
+            with path.open("rb") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        found = True
+                        yield _json_text(line, f"{path}:{n}")
+            if not found:
+                yield None, f"{path}: no JSON line (empty file)"
+        else:
+            data = path.read_bytes()
+            yield (None, f"{path}: empty file") if not data else (data, _utf8(data, str(path)))
+    except OSError as e:
+        yield None, f"{path}: cannot be read ({e.strerror or e})"
+
+
+def _documents(path: Path, seed: int = 0, on_bad: str = "raise") -> Iterator[bytes]:
+    """The documents of one source as UTF-8 bytes: each JSON line's "text", a saved
+    dataset's rows, or the whole file. A bad record (`_records`): ValueError naming it
+    (`on_bad` "raise"), left out ("skip"), or, for a whole file, read as the bytes it holds
+    ("keep": the default corpus, whose few empty and non-UTF-8 files are part of its fixed
+    stream)."""
     if path.is_dir():
-        yield from _dataset_documents(path, seed)
-    elif path.suffix in (".jsonl", ".ndjson"):
-        with path.open() as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)["text"].encode()
-                    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                        raise ValueError(
-                            f'{path}:{n}: expected a JSON object with a "text" string ({e})'
-                        ) from None
-    else:
+        yield from _dataset_documents(path, seed, on_bad)
+    elif on_bad == "keep":
         yield path.read_bytes()
+    else:
+        for text, problem in _records(path):
+            if problem is None:
+                yield text
+            elif on_bad == "raise":
+                raise ValueError(problem)
+
+
+@dataclasses.dataclass
+class CorpusCheck:
+    """What `check_corpus` read."""
+
+    sources: int
+    documents: int
+    skipped: list[str]
+    """One line per bad record left out ("file:line: what is wrong")."""
+
+
+def check_corpus(spec: str, *, skip_bad: bool = False) -> CorpusCheck:
+    """Read every record of `--data` once, before training, so that bad data stops a run
+    before its first step rather than when (or never) the stream reaches it: every file
+    readable, UTF-8 text (no NUL byte), not empty; every JSON line an object with a "text"
+    string; a saved dataset's "text" column strings, none missing. The first bad record is
+    a ValueError naming its file and line and the fix; with `skip_bad` bad records are
+    left out (as the stream then leaves them out) and listed in the result. No document at
+    all is a ValueError either way."""
+    sources = corpus_files(spec)
+    documents, skipped = 0, []
+    for path in sources:
+        if path.is_dir():
+            try:
+                found, bad = _dataset_check(path)
+            except ValueError as e:
+                found, bad = 0, [str(e).removeprefix("--data ")]
+        else:
+            found, bad = 0, []
+            for _, problem in _records(path):
+                found += problem is None
+                bad += [problem] if problem else []
+        documents += found
+        if bad and not skip_bad:
+            raise ValueError(
+                f"--data: {bad[0]}; fix or remove it, or pass --skip-bad-records to leave "
+                "bad records out"
+            )
+        skipped += bad
+    if not documents:
+        first = f" ({len(skipped)} bad records left out, the first: {skipped[0]})"
+        raise ValueError(f"--data {spec!r} holds no document" + (first if skipped else ""))
+    return CorpusCheck(sources=len(sources), documents=documents, skipped=skipped)
 
 
 def held_out(text: bytes, fraction: float) -> bool:
@@ -205,8 +338,11 @@ class _Stream:
     """Documents `keep` accepts, from `sources` in order (repeated end to end), tokenized one
     at a time as the stream grows; `ends` holds each document's end offset (exclusive)."""
 
-    def __init__(self, sources, tokenizer, *, seed: int, keep: Callable | None, empty: str):
+    def __init__(
+        self, sources, tokenizer, *, seed: int, keep: Callable | None, empty: str, on_bad: str
+    ):
         self._sources, self._tokenizer, self._seed = sources, tokenizer, seed
+        self._on_bad = on_bad
         self._keep, self._empty = keep, empty
         self._tokens = _Growing(torch.int32)
         self._ends = _Growing(torch.int64)
@@ -216,7 +352,7 @@ class _Stream:
         while True:
             found = False
             for source in self._sources:
-                for doc in _documents(source, self._seed):
+                for doc in _documents(source, self._seed, self._on_bad):
                     if self._keep is None or self._keep(doc):
                         found = True
                         yield doc
@@ -263,6 +399,9 @@ class PackedTokens:
 
     `tokenizer`: a tokenizer object, a path (see `load_tokenizer`) or None (bytes).
     `eval_fraction`: the share of documents held out for `eval_batch` (see the module doc).
+    `skip_bad_records`: leave out the records of `data` that are not documents (see
+    `check_corpus`) instead of raising a ValueError naming the first when the stream
+    reaches it. The default corpus is read as it is (its bytes, empty files included).
     """
 
     def __init__(
@@ -272,6 +411,7 @@ class PackedTokens:
         seed: int = 0,
         tokenizer: Tokenizer | str | Path | None = None,
         eval_fraction: float = 0.0,
+        skip_bad_records: bool = False,
     ):
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
@@ -281,11 +421,12 @@ class PackedTokens:
         self.eval_fraction = eval_fraction
         self.files = corpus_files(data)
         random.Random(seed).shuffle(self.files)
+        on_bad = "keep" if data is None else "skip" if skip_bad_records else "raise"
         train_keep = None
         if eval_fraction > 0:
             train_keep = lambda doc: not held_out(doc, eval_fraction)
         self._train = _Stream(
-            self.files, tokenizer, seed=seed, keep=train_keep,
+            self.files, tokenizer, seed=seed, keep=train_keep, on_bad=on_bad,
             empty="the corpus holds no text" + (
                 f" outside the held-out eval_fraction={eval_fraction}; lower it"
                 if eval_fraction else ""
@@ -294,7 +435,7 @@ class PackedTokens:
         self._eval = None
         if eval_fraction > 0:
             self._eval = _Stream(
-                self.files, tokenizer, seed=seed,
+                self.files, tokenizer, seed=seed, on_bad=on_bad,
                 keep=lambda doc: held_out(doc, eval_fraction),
                 empty=f"no document of the corpus is held out at eval_fraction={eval_fraction}"
                 "; raise it (or add documents)",
