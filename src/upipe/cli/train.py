@@ -6,6 +6,15 @@
 
 The launch is decided here, from the environment torchrun sets (RANK, WORLD_SIZE,
 LOCAL_RANK); the training itself is `upipe.train.train`.
+
+Before any rank starts: the options are validated, every --data record is read once
+(`check_corpus`) and every output path is checked writable (`check_outputs`); a problem is
+one line and exit status 2. A run that fails ends with one line saying what happened to
+which rank (raised, killed, frozen; `upipe.launch.DistributedError`) and exit status 1;
+the traceback is printed above it only for an error that is not one of upipe's explained
+ones (`EXPLAINED`). Under torchrun each rank dies with its torchrun agent (even on kill -9)
+and prints an explained error as one line; an unexplained one goes to torchrun's summary
+(`torch.distributed.elastic.multiprocessing.errors.record`).
 """
 
 from __future__ import annotations
@@ -17,13 +26,19 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from upipe.cli.options import add_dataclass_options, config_from_args
-from upipe.launch import LocalCluster
+from upipe.launch import DistributedError, LocalCluster, die_with_parent
 from upipe.plot import have_matplotlib
+from upipe.train.checkpointing import CheckpointError
 from upipe.train.config import TrainConfig, model_config, padded_length, validate
-from upipe.train.data import corpus_files
-from upipe.train.loop import have_tensorboard, summary, train
+from upipe.train.data import check_corpus
+from upipe.train.loop import NonFiniteError, have_tensorboard, summary, train
+from upipe.train.outputs import check_outputs
+
+# errors whose message says what happened and what to do: printed without a traceback
+EXPLAINED = (ValueError, CheckpointError, NonFiniteError)
 
 
 def add_command(sub) -> None:
@@ -47,10 +62,14 @@ def add_command(sub) -> None:
 OPTION_GROUPS = {
     "model and parallelism": (
         "model", "strategy", "nproc", "dp", "ring", "heads_per_stage", "device", "fsdp",
+        "timeout",
     ),
-    "data": ("data", "tokenizer", "seq_len", "batch_size", "document_mask", "seed"),
+    "data": (
+        "data", "skip_bad_records", "tokenizer", "seq_len", "batch_size", "document_mask", "seed",
+    ),
     "optimization": (
         "steps", "lr", "warmup_steps", "min_lr_ratio", "grad_accum", "grad_clip",
+        "skip_nonfinite_steps",
     ),
     "precision": ("dtype", "master_dtype"),
     "memory features": (
@@ -76,11 +95,14 @@ def _handle(ns, parser) -> int:
         problem = (
             "--device cuda runs one process per GPU: torchrun --nproc-per-node N -m upipe.train"
         )
-    if problem is None:
+    corpus = None
+    if problem is None and cfg.data is not None:  # the default corpus is upipe's own
         try:
-            corpus_files(cfg.data)
-        except ValueError as e:
+            corpus = check_corpus(cfg.data, skip_bad=cfg.skip_bad_records)
+        except (ValueError, ImportError) as e:
             problem = str(e)
+    if problem is None:
+        problem = check_outputs(cfg)
     if problem is None and cfg.tensorboard and not have_tensorboard():
         problem = (
             "--tensorboard needs the tensorboard package: pip install 'upipe[train]' "
@@ -95,6 +117,14 @@ def _handle(ns, parser) -> int:
             file=sys.stderr,
         )
         cfg = dataclasses.replace(cfg, plot=None)
+    if corpus is not None and int(os.environ.get("RANK", 0)) == 0:
+        line = f"data: {corpus.documents} documents in {corpus.sources} sources checked"
+        if corpus.skipped:
+            line += (
+                f"; left out {len(corpus.skipped)} bad records (--skip-bad-records), the "
+                f"first: {corpus.skipped[0]}"
+            )
+        print(line, flush=True)
     return run(cfg)
 
 
@@ -102,7 +132,13 @@ def run(cfg: TrainConfig) -> int:
     """Train `cfg`: in this process under torchrun, else on `cfg.nproc` spawned CPU ranks."""
     m = model_config(cfg)
     if _under_torchrun():
-        history = _run_torchrun(cfg)
+        try:
+            history = _run_torchrun(cfg)
+        except EXPLAINED as e:
+            print(
+                f"upipe train: rank {os.environ['RANK']}: {type(e).__name__}: {e}", file=sys.stderr
+            )
+            return 1
         if history is None:
             return 0
     else:
@@ -130,8 +166,11 @@ def run(cfg: TrainConfig) -> int:
             + ("; documents masked" if cfg.document_mask else "; attention across documents"),
             flush=True,
         )
-        with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=1800) as cluster:
-            history = cluster.run(_spawned_rank, cfg)[0]
+        try:
+            with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=cfg.timeout) as cluster:
+                history = cluster.run(_spawned_rank, cfg)[0]
+        except DistributedError as e:
+            return _failed(e)
     print(summary(history))
     for what, path in (
         ("metrics", cfg.metrics_file),
@@ -145,19 +184,39 @@ def run(cfg: TrainConfig) -> int:
     return 0
 
 
+def _failed(e: DistributedError) -> int:
+    """Say in one line what happened to which rank; above it the traceback of the first
+    error, if that is not an explained one and no rank died or froze (which explains the
+    errors of its peers)."""
+    explained = {f"{c.__module__}.{c.__qualname__}" for c in EXPLAINED}
+    first = next((f for f in e.failures if f.what == "raised"), None)
+    died = any(f.what in ("killed", "exited", "frozen") for f in e.failures)
+    if first is not None and first.error_type not in explained and not died:
+        print(first.traceback, file=sys.stderr)
+    print(f"upipe train: {e.summary}", file=sys.stderr)
+    return 1
+
+
 def _spawned_rank(rank: int, world_size: int, cfg: TrainConfig):
     return train(cfg)
 
 
+@record
 def _run_torchrun(cfg: TrainConfig):
-    """This process is one torchrun rank: initialise, train, tear down; rank 0 returns."""
+    """This process is one torchrun rank: initialise, train, tear down; rank 0 returns.
+    What torchrun does on a fault: its agent watches its ranks; when one exits with an error
+    or is killed it stops the others (SIGTERM, then SIGKILL) and reports each failed rank
+    (exit code or signal, and with `record` the exception). Ranks run in their own session,
+    so a torchrun killed by SIGKILL would leave them running: `die_with_parent` ends each
+    with it. A frozen rank is not seen by torchrun; its peers time out after --timeout."""
+    die_with_parent()
     if cfg.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
     try:
         history = train(cfg, device)
     finally:

@@ -47,13 +47,19 @@ class TrainConfig:
     rank); the loss is the mean over every token of all of them, as for one big batch."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""
+    skip_nonfinite_steps: bool = False
+    """Skip the update of a step whose loss or gradient norm is NaN or infinite (counted
+    and reported) instead of stopping the run there with a message naming the step."""
     heads_per_stage: int | None = None
     """UPipe heads per stage U (default: the ulysses size)."""
     seed: int = 0
     """Seed of the weights and of the document order."""
     data: str | None = None
     """Text/JSON-lines files, saved Hugging Face datasets or directories, comma-separated
-    (default: the Python standard library's sources)."""
+    (default: the Python standard library's sources); all checked before the first step."""
+    skip_bad_records: bool = False
+    """Leave out the records of --data that are not documents (empty, binary or non-UTF-8
+    files, malformed JSON lines), counted and reported, instead of stopping at the first."""
     tokenizer: str | None = None
     """A local Hugging Face tokenizer (tokenizer.json or its directory; default: bytes,
     vocabulary 257). A preset model takes its vocabulary size."""
@@ -90,6 +96,9 @@ class TrainConfig:
     """Shard parameters, gradients and optimizer states over all ranks (FSDP2)."""
     device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
     """Device of each rank (cuda: one GPU per process, NCCL; launch with torchrun)."""
+    timeout: float = 600.0
+    """Seconds a rank waits for its peers in a collective (the process group's timeout,
+    gloo and NCCL alike); a rank that stops answering stops the run after this long, named."""
     metrics_file: str | None = None
     """Append one JSON line per step (step, loss, lr, tokens_per_s, peak_memory_bytes, ...,
     eval_loss when evaluated)."""
@@ -159,6 +168,8 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
     if min(cfg.checkpoint_every, cfg.warmup_steps, cfg.eval_every, cfg.grad_clip) < 0:
         return "--checkpoint-every, --warmup-steps, --eval-every and --grad-clip must be >= 0"
+    if not 0 < cfg.timeout < float("inf"):
+        return f"--timeout must be > 0 seconds, got {cfg.timeout}"
     if cfg.eval_every and not 0 < cfg.eval_fraction < 1:
         return f"--eval-every needs --eval-fraction in (0, 1), got {cfg.eval_fraction}"
     if cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:

@@ -9,12 +9,12 @@ resumed from a checkpoint continues the same curve.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
-import json
 import math
-import os
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from upipe.train.checkpointing import load_latest_checkpoint, save_checkpoint
 from upipe.train.config import DTYPES, TrainConfig, padded_length
 from upipe.train.config import model_config as train_model_config
 from upipe.train.data import PackedTokens, mask_document_ends
+from upipe.train.outputs import append_metrics, read_metrics, write_metrics
 from upipe.train.parallelize import (
     MasterWeights,
     allreduce_gradients,
@@ -56,6 +57,16 @@ def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
     span = max(1, total - 1 - warmup)
     progress = min(1.0, (step - warmup) / span)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite; raised before the update, so the
+    weights, the optimizer and every checkpoint are as after the step before."""
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2) as the whole tensor; any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _storage_bytes(tensors) -> int:
@@ -93,7 +104,11 @@ class Trainer:
         compute, master = DTYPES[cfg.dtype], DTYPES[cfg.master_dtype]
         eval_fraction = cfg.eval_fraction if cfg.eval_every else 0.0
         self.data = PackedTokens(
-            cfg.data, seed=cfg.seed, tokenizer=cfg.tokenizer, eval_fraction=eval_fraction
+            cfg.data,
+            seed=cfg.seed,
+            tokenizer=cfg.tokenizer,
+            eval_fraction=eval_fraction,
+            skip_bad_records=cfg.skip_bad_records,
         )
         config = model_config or train_model_config(cfg, self.data.vocab_size)
         # built in the master dtype (no full-size cast: fake tensors in the planner cannot
@@ -196,16 +211,50 @@ class Trainer:
         # one host read per step (not one per call: each would wait for the GPU)
         return sum(torch.stack(losses).double().tolist())
 
-    def optimizer_step(self) -> None:
-        """Clip, step the optimizer and the learning rate, round the masters into the
-        compute copy."""
+    def clip_gradients(self) -> torch.Tensor:
+        """The global norm of the masters' gradients (0-d, before clipping), and clip them to
+        `cfg.grad_clip` if set: `clip_grad_norm_` returns that norm; without clipping
+        `get_total_norm` computes it. Gradients are reduced first, so the norm is the same
+        on every rank."""
+        params = list(self.master.parameters())
         if self.cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.grad_clip)
+            return torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+    def update(self) -> None:
+        """Step the optimizer and the learning rate, round the masters into the compute
+        copy."""
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.masters is not None:
             self.masters.copy_to_model()
+
+    def skip_update(self) -> None:
+        """Drop the gradients without an update; the learning rate moves on (it stays the
+        rate of the step index, as in a run without the skip)."""
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> None:
+        """Clip, then `update`."""
+        self.clip_gradients()
+        self.update()
+
+    def _nonfinite(self, step: int, loss: float, grad_norm: float) -> str | None:
+        """None if the loss and the gradient norm of `step` are finite. Else what is not, if
+        `cfg.skip_nonfinite_steps`; otherwise NonFiniteError (the same on every rank: the
+        loss and the norm are global)."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return None
+        what = f"the loss is {loss:g}, the gradient norm {grad_norm:g}"
+        if self.cfg.skip_nonfinite_steps:
+            return what
+        raise NonFiniteError(
+            f"step {step + 1}: {what}; stopped before the update (weights, optimizer and "
+            f"checkpoints hold no non-finite value: they are as after step {step}). Lower "
+            "--lr, check the data, or pass --skip-nonfinite-steps to skip such steps"
+        )
 
     @property
     def lr(self) -> float:
@@ -243,25 +292,40 @@ class Trainer:
         }
 
     def step(self, step: int) -> dict:
-        """One training step, measured: loss, seconds and this rank's peak memory."""
+        """One training step, measured: loss, gradient norm, seconds, this rank's peak
+        memory, and "skipped": None, or why the update was skipped. A NaN or infinite loss
+        or gradient norm raises NonFiniteError before the update, naming the step; with
+        `cfg.skip_nonfinite_steps` the update is skipped instead (`skip_update`). One host
+        read of the norm per step (the loss is read once per step already)."""
         persistent = _storage_bytes(
             [*self.model.parameters(), *self.master.parameters()]
             + [t for s in self.optimizer.state.values() for t in s.values()]
         )
+        cuda = self.device.type == "cuda"
         dist.barrier()
         t0 = time.perf_counter()
-        if self.device.type == "cuda":
+        if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        with contextlib.nullcontext() if cuda else MemoryTracker() as mem:
             loss = self.forward_backward(step)
-            self.optimizer_step()
+            grad_norm = _full(self.clip_gradients()).item()
+            skipped = self._nonfinite(step, loss, grad_norm)
+            if skipped:
+                self.skip_update()
+            else:
+                self.update()
+        if cuda:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            with MemoryTracker() as mem:
-                loss = self.forward_backward(step)
-                self.optimizer_step()
             peak = persistent + mem.peak_bytes
-        return {"loss": loss, "seconds": time.perf_counter() - t0, "peak_memory_bytes": peak}
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "seconds": time.perf_counter() - t0,
+            "peak_memory_bytes": peak,
+        }
 
     # checkpoints: torch distributed checkpoint, one directory per step (`checkpointing`)
     def save(self, step: int) -> Path:
@@ -270,16 +334,17 @@ class Trainer:
             self.cfg.checkpoint_dir, step, self.master, self.optimizer, self.scheduler
         )
 
-    def load_latest(self) -> int:
-        """Load the newest complete checkpoint; returns its step (0 if there is none)."""
-        step = load_latest_checkpoint(
+    def load_latest(self) -> tuple[int, list[str]]:
+        """Load the newest intact checkpoint (`load_latest_checkpoint`); returns its step (0
+        if there is none) and one line per newer checkpoint skipped as damaged."""
+        step, skipped = load_latest_checkpoint(
             self.cfg.checkpoint_dir, self.master, self.optimizer, self.scheduler, self.schedule
         )
         if step is None:
-            return 0
+            return 0, skipped
         if self.masters is not None:
             self.masters.copy_to_model()
-        return step
+        return step, skipped
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, device) -> CausalLM:
@@ -293,33 +358,43 @@ def _build(config: ModelConfig, dtype: torch.dtype, device) -> CausalLM:
         torch.set_default_dtype(default_dtype)
 
 
-def _history(cfg: TrainConfig, upto: int) -> list[dict]:
-    """Metrics of the steps before a resume, from the metrics file (for the plot)."""
-    if not (cfg.metrics_file and os.path.exists(cfg.metrics_file)):
-        return []
-    with open(cfg.metrics_file) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["step"] <= upto]
-
-
 def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     """Run `cfg` on this rank (default process group initialised); returns the per-step
-    metrics on every rank (rank 0 also prints, logs and plots them)."""
+    metrics on every rank (rank 0 also prints, logs and plots them).
+
+    Faults: a resumed run starts from the newest intact checkpoint (damaged newer ones are
+    skipped with a warning naming them) and rewrites the metrics file to the steps up to
+    it; a NaN or infinite loss or gradient norm stops the run (`NonFiniteError`, naming the
+    step) unless `cfg.skip_nonfinite_steps`. Output paths and --data are checked by the
+    caller (`upipe.train.outputs.check_outputs`, `upipe.train.data.check_corpus`)."""
     device = device or torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # every rank reads the metrics file, so that a bad one fails all of them, before any
+    # collective (rank 0 alone rewrites it)
+    rows, torn = read_metrics(cfg.metrics_file) if cfg.resume and cfg.metrics_file else ([], None)
     trainer = Trainer(cfg, device)
-    start = trainer.load_latest() if cfg.resume else 0
-    history = _history(cfg, start) if rank == 0 else []
+    start, damaged = trainer.load_latest() if cfg.resume else (0, [])
+    history = [r for r in rows if r["step"] <= start] if rank == 0 else []
     tokens = cfg.seq_len * cfg.batch_size * trainer.dp * cfg.grad_accum
     bar = writer = None
     if rank == 0:
         from tqdm import tqdm
 
+        for line in damaged:
+            print(f"warning: skipped damaged checkpoint {line}", file=sys.stderr)
+        if cfg.resume:
+            where = f"step {start}" if start else "step 0: no checkpoint"
+            print(f"resuming from {where} in {cfg.checkpoint_dir}", file=sys.stderr)
+        if torn:
+            print(f"warning: metrics file {torn}", file=sys.stderr)
+        if cfg.metrics_file:
+            write_metrics(cfg.metrics_file, history)
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.strategy}", unit="step")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            writer = SummaryWriter(cfg.tensorboard)
+            # events of steps after `start` (an earlier run's) are hidden from TensorBoard
+            writer = SummaryWriter(cfg.tensorboard, purge_step=start + 1)
     for step in range(start, cfg.steps):
         lr = trainer.lr
         m = trainer.step(step)
@@ -327,7 +402,8 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
         dist.all_gather_object(peaks, m["peak_memory_bytes"])
         row = {
             "step": step + 1,
-            "loss": m["loss"],
+            "loss": None if m["skipped"] else m["loss"],
+            "grad_norm": None if m["skipped"] else m["grad_norm"],
             "lr": lr,
             "tokens_per_s": tokens / m["seconds"],
             "peak_memory_bytes": max(peaks),
@@ -336,23 +412,24 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
             "strategy": cfg.strategy,
             "world_size": world,
         }
+        if m["skipped"]:
+            row["skipped"] = m["skipped"]
         last = step + 1 == cfg.steps
         if cfg.eval_every and (last or (step + 1) % cfg.eval_every == 0):
             row["eval_loss"] = trainer.evaluate()
         history.append(row)
         if rank == 0:
             bar.set_postfix(
-                loss=f"{m['loss']:.4f}",
+                loss="skipped" if m["skipped"] else f"{m['loss']:.4f}",
                 tok_s=f"{row['tokens_per_s']:.0f}",
                 peak_MiB=f"{max(peaks) / 2**20:.0f}",
             )
             bar.update()
             if cfg.metrics_file:
-                with open(cfg.metrics_file, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_metrics(cfg.metrics_file, row)
             if writer is not None:
                 for key in ("loss", "eval_loss", "lr", "tokens_per_s", "peak_memory_bytes"):
-                    if key in row:
+                    if row.get(key) is not None:
                         writer.add_scalar(f"train/{key}", row[key], step + 1)
         every = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (last or every):
@@ -376,12 +453,13 @@ def have_tensorboard() -> bool:
 
 def plot_loss(history: list[dict], path: str, title: str) -> None:
     """Loss (and the held-out loss, if evaluated) vs step as a PNG (`upipe.plot`: without
-    matplotlib, an optional dependency, a warning and no plot)."""
-    steps = [r["step"] for r in history]
+    matplotlib, an optional dependency, a warning and no plot); skipped steps are gaps."""
+    trained = [r for r in history if r.get("loss") is not None]
+    steps = [r["step"] for r in trained]
     train = Series(
         label="train",
         xs=steps,
-        ys=[r["loss"] for r in history],
+        ys=[r["loss"] for r in trained],
         style={"marker": "." if len(steps) < 50 else None},
     )
     evals = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
@@ -398,13 +476,21 @@ def plot_loss(history: list[dict], path: str, title: str) -> None:
 
 
 def summary(history: list[dict]) -> str:
-    """The run in a few lines: first/last loss, median tokens/s, peak memory per rank."""
-    if not history:
-        return "no steps run"
+    """The run in a few lines: first/last loss, median tokens/s, peak memory per rank, the
+    steps skipped for a non-finite loss or gradient norm."""
+    trained = [r for r in history if r.get("loss") is not None]
+    skipped = [r["step"] for r in history if r.get("skipped")]
+    note = (
+        f"; skipped {len(skipped)} step(s) with a non-finite loss or gradient norm: {skipped}"
+        if skipped
+        else ""
+    )
+    if not trained:
+        return ("no steps run" if not history else "no step was trained") + note
     tps = sorted(r["tokens_per_s"] for r in history)
     peak = max(r["peak_memory_bytes"] for r in history)
     return (
-        f"steps {history[0]['step']}..{history[-1]['step']}: loss {history[0]['loss']:.4f} -> "
-        f"{history[-1]['loss']:.4f} (ln 257 = {math.log(257):.3f}); median "
-        f"{tps[len(tps) // 2]:.0f} tokens/s; peak memory per rank {peak / 2**20:.1f} MiB"
+        f"steps {history[0]['step']}..{history[-1]['step']}: loss {trained[0]['loss']:.4f} -> "
+        f"{trained[-1]['loss']:.4f} (ln 257 = {math.log(257):.3f}); median "
+        f"{tps[len(tps) // 2]:.0f} tokens/s; peak memory per rank {peak / 2**20:.1f} MiB" + note
     )
