@@ -1,0 +1,89 @@
+"""Module-level functions run on every rank of a LocalCluster by tests/test_faults.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from upipe.train import Trainer, train
+from upipe.train.checkpointing import CheckpointError, newest_intact_checkpoint
+
+
+def pid(rank, world_size):
+    return os.getpid()
+
+
+def signal_one_rank(rank, world_size, victim: int, signum: int):
+    """Rank `victim` sends itself `signum` (SIGKILL: dies; SIGSTOP: freezes); the others
+    wait for it in a barrier."""
+    if rank == victim:
+        os.kill(os.getpid(), signum)
+    dist.barrier()
+
+
+def sleep(rank, world_size, seconds: float):
+    time.sleep(seconds)
+
+
+def train_quietly(rank, world_size, cfg):
+    """(the losses of upipe.train.train(cfg), what it printed to stderr); or the message of
+    the CheckpointError it raised."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            rows = train(cfg)
+    except CheckpointError as e:
+        return f"CheckpointError: {e}"
+    return [r["loss"] for r in rows], err.getvalue()
+
+
+def intact(rank, world_size, directory):
+    """newest_intact_checkpoint(directory) as every rank sees it."""
+    path, skipped = newest_intact_checkpoint(directory)
+    return str(path) if path else None, skipped
+
+
+def _poison(trainer: Trainer, bad_step: int) -> None:
+    """From now on, step `bad_step`'s gradients hold a NaN (on every rank, after the
+    reduction): what an overflow in the backward would leave."""
+    forward_backward = trainer.forward_backward
+
+    def poisoned(step):
+        loss = forward_backward(step)
+        if step == bad_step:
+            next(trainer.master.parameters()).grad.view(-1)[0] = float("nan")
+        return loss
+
+    trainer.forward_backward = poisoned
+
+
+def _state(trainer: Trainer) -> list[torch.Tensor]:
+    params = [p.detach().clone() for p in trainer.master.parameters()]
+    return params + [t.clone() for s in trainer.optimizer.state.values() for t in s.values()]
+
+
+def nan_gradient(rank, world_size, cfg, bad_step: int):
+    """Steps 0 .. cfg.steps - 1 with a NaN gradient at `bad_step`: each step's "skipped" and
+    learning rate, whether the weights and AdamW states after the bad step equal those
+    before it, and the last loss; or the message of the error the bad step raised."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    _poison(trainer, bad_step)
+    skipped, lrs, unchanged, loss = [], [], None, None
+    for step in range(cfg.steps):
+        before = _state(trainer) if step == bad_step else None
+        lrs.append(trainer.lr)
+        try:
+            m = trainer.step(step)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        skipped.append(m["skipped"])
+        loss = m["loss"]
+        if before is not None:
+            after = _state(trainer)
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return {"skipped": skipped, "lrs": lrs, "unchanged": unchanged, "last_loss": loss}
