@@ -123,16 +123,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, pg_timeout_s, threads, parent_pid, tasks, results):
+def _worker(rank, world_size, port, timeouts, threads, parent_pid, tasks, results):
+    """One rank. `timeouts` = (start, pg): how long the ranks may take to meet (their
+    start-up, importing torch, can differ by seconds on a loaded machine: the store waits
+    that long), and the process group's timeout for every collective after that."""
     die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    start_s, pg_timeout_s = timeouts
     try:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=max(start_s, pg_timeout_s)),
+        )
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -206,7 +217,7 @@ class LocalCluster:
                         r,
                         self.world_size,
                         port,
-                        self.pg_timeout_s,
+                        (self.timeout_s, self.pg_timeout_s),
                         self.threads,
                         os.getpid(),
                         self._tasks[r],
