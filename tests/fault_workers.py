@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import time
 
 import torch
@@ -87,3 +88,19 @@ def nan_gradient(rank, world_size, cfg, bad_step: int):
             after = _state(trainer)
             unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     return {"skipped": skipped, "lrs": lrs, "unchanged": unchanged, "last_loss": loss}
+
+
+def train_with_file_size_limit(rank, world_size, cfg, limit_bytes: int):
+    """`train_quietly(cfg)` with rank 1's files limited to `limit_bytes`: a write past it
+    fails (EFBIG), as on a full disk."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the error, not the signal
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit[1]))
+    try:
+        return train_quietly(rank, world_size, cfg)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)

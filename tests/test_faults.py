@@ -16,7 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_workers import intact, nan_gradient, pid, signal_one_rank, train_quietly
+from fault_workers import (
+    intact,
+    nan_gradient,
+    pid,
+    signal_one_rank,
+    train_quietly,
+    train_with_file_size_limit,
+)
 from train_workers import small_config
 
 from upipe.cli import main
@@ -132,6 +139,20 @@ def test_no_intact_checkpoint_is_one_error_on_every_rank(clusters, run, tmp_path
         f"CheckpointError: no intact checkpoint to resume from in {ckpt}: "
         f"{ckpt / STEP4}: .metadata is missing; {ckpt / STEP2}: __"
     )
+
+
+def test_a_failed_save_publishes_nothing_and_says_so(clusters, tmp_path):
+    """A write that fails on one rank (a file-size limit, as a full disk): every rank
+    raises the same one-line CheckpointError, and no checkpoint directory is published."""
+    cfg = small_config(strategy="upipe", steps=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    errors = clusters(2).run(train_with_file_size_limit, cfg, 100_000)
+    assert errors[0] == errors[1]
+    assert _one_line(errors[0]).startswith(
+        f"CheckpointError: checkpoint {tmp_path / 'ckpt' / 'step_00000001'} not written (rank 1: "
+    )
+    assert "); nothing was published, older checkpoints are intact; " in errors[0]
+    assert errors[0].endswith(" MiB free there")
+    assert not list((tmp_path / "ckpt").glob("step_*"))
 
 
 # --------------------------------------------------------------------------- non-finite

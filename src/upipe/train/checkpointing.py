@@ -83,7 +83,9 @@ def save_checkpoint(
     directory: str | Path, step: int, master: torch.nn.Module, optimizer, scheduler
 ) -> Path:
     """Save `master`, `optimizer` and `scheduler` after `step` steps (every rank calls it);
-    returns the directory, published once complete and checksummed (module docstring)."""
+    returns the directory, published once complete and checksummed (module docstring).
+    A failure on any rank (a full disk, say) is a `CheckpointError` on every rank, and
+    nothing is published."""
     import torch.distributed.checkpoint as dcp
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -95,28 +97,60 @@ def save_checkpoint(
         for stale in root.glob(".step_*.partial"):
             shutil.rmtree(stale)
     dist.barrier()
-    dcp.save(_state(master, optimizer, scheduler), checkpoint_id=str(partial))
+    try:  # DCP gathers every rank's failures and raises them on every rank
+        dcp.save(_state(master, optimizer, scheduler), checkpoint_id=str(partial))
+    except dcp.CheckpointException as e:
+        failed, (error, _) = min(e.failures.items())
+        raise CheckpointError(_unsaved(final, f"rank {failed}: {_line(error)}")) from None
     names = _one(sorted(p.name for p in partial.iterdir()) if rank == 0 else None)
-    mine = {n: {"bytes": (partial / n).stat().st_size, "sha256": _sha256(partial / n)}
-            for n in names[rank::world]}  # fmt: skip
-    files = {n: v for share in _everyone(mine) for n, v in share.items()}
-    if rank == 0:
-        dcp.FileSystemReader(str(partial)).read_metadata()  # DCP's index reads back
-        with (partial / CHECKSUMS).open("w") as f:
-            json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(partial)
-        if final.exists():  # an older save of this step (a run resumed from before it)
-            old = root / f".{final.name}.replaced"
-            final.rename(old)
-            partial.rename(final)
-            shutil.rmtree(old)
-        else:
-            partial.rename(final)
-        _fsync_dir(root)
-    dist.barrier()
+    try:
+        mine = {n: {"bytes": (partial / n).stat().st_size, "sha256": _sha256(partial / n)}
+                for n in names[rank::world]}  # fmt: skip
+    except OSError as e:
+        mine = f"rank {rank}: {_line(e)}"
+    shares = _everyone(mine)
+    problem = next((share for share in shares if isinstance(share, str)), None)
+    if rank == 0 and problem is None:
+        try:
+            _publish(partial, final, {n: v for share in shares for n, v in share.items()})
+        except OSError as e:
+            problem = f"rank 0: {_line(e)}"
+    problem = _one(problem)  # every rank learns whether it was published
+    if problem:
+        raise CheckpointError(_unsaved(final, problem))
     return final
+
+
+def _line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+
+
+def _unsaved(final: Path, problem: str) -> str:
+    free = shutil.disk_usage(final.parent).free / 2**20
+    return (
+        f"checkpoint {final} not written ({problem}); nothing was published, older "
+        f"checkpoints are intact; {free:.0f} MiB free there"
+    )
+
+
+def _publish(partial: Path, final: Path, files: dict) -> None:
+    """Rank 0: read DCP's index back, write `checksums.json`, rename `partial` to `final`."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.FileSystemReader(str(partial)).read_metadata()
+    with (partial / CHECKSUMS).open("w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(partial)
+    if final.exists():  # an older save of this step (a run resumed from before it)
+        old = final.with_name(f".{final.name}.replaced")
+        final.rename(old)
+        partial.rename(final)
+        shutil.rmtree(old)
+    else:
+        partial.rename(final)
+    _fsync_dir(final.parent)
 
 
 def verify_checkpoint(path: str | Path, *, share: tuple[int, int] = (0, 1)) -> str | None:
