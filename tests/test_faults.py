@@ -270,6 +270,21 @@ def test_skip_bad_records_counts_them_and_the_stream_leaves_them_out(tmp_path):
         PackedTokens(str(tmp_path)).tokens(0, 17)
 
 
+def test_saved_dataset_rows_without_text(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["ab", None, "cd"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(ValueError, match=rf"--data: {tmp_path / 'ds'}: a row with no text"):
+        check_corpus(str(tmp_path / "ds"))
+    report = check_corpus(str(tmp_path / "ds"), skip_bad=True)
+    assert (report.documents, len(report.skipped)) == (2, 1)
+    text = "".join(
+        chr(t) if t < 256 else "|"
+        for t in PackedTokens(str(tmp_path / "ds"), skip_bad_records=True).tokens(0, 6).tolist()
+    )
+    assert sorted(text.split("|")) == ["", "ab", "cd"]
+
+
 def test_only_bad_data_is_an_error_even_when_skipping(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"holds no document \(1 bad records left out"):

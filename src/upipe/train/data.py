@@ -23,6 +23,12 @@ sequence, before it is sharded across the context-parallel ranks). Packed docume
 to each other unless the trainer masks documents, with, per row, the document boundaries of
 `PackedTokens.documents` (cu_seqlens) and `mask_document_ends` for the labels.
 
+Bad data: `check_corpus` reads every record of `--data` once, before training, and names the
+first that is not a document (an empty, binary or non-UTF-8 file, a JSON line that is not
+an object with a "text" string) by file and line; with `skip_bad_records` such records are
+left out, by the check and by the stream alike, and counted. The default corpus is read as
+it is.
+
 Held-out data: with `eval_fraction` f > 0, a document whose text hashes (BLAKE2b, 64 bits)
 below f * 2^64 belongs to the evaluation stream and never to the training stream, so
 `eval_batch` never shares a document (nor a duplicate of one) with `batch`. The split does
