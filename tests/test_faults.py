@@ -50,7 +50,7 @@ def run(clusters, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     cfg = small_config(
         strategy="upipe", steps=4, checkpoint_dir=str(root / "ckpt"), checkpoint_every=2,
-        metrics_file=str(root / "m.jsonl"),
+        metrics_file=str(root / "m.jsonl"), tensorboard=str(root / "tb"),
     )  # fmt: skip
     losses, _ = clusters(2).run(train_quietly, cfg)[0]
     return root, cfg, losses
@@ -61,7 +61,10 @@ def _copy(run, tmp_path):
     root, cfg, _ = run
     shutil.copytree(root, tmp_path, dirs_exist_ok=True)
     cfg = dataclasses.replace(
-        cfg, checkpoint_dir=str(tmp_path / "ckpt"), metrics_file=str(tmp_path / "m.jsonl")
+        cfg,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        metrics_file=str(tmp_path / "m.jsonl"),
+        tensorboard=str(tmp_path / "tb"),
     )
     return tmp_path / "ckpt", cfg
 
@@ -125,6 +128,11 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(clusters, run, tmp_pa
     rows, torn = read_metrics(cfg.metrics_file)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and torn is None
     assert [r["loss"] for r in rows] == straight
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(cfg.tensorboard)
+    events.Reload()  # the first run's steps 3-4 purged (purge_step), the resumed run's kept
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     assert verify_checkpoint(ckpt / STEP4) is None  # saved again after step 4
     assert sorted(p.name for p in ckpt.iterdir()) == [STEP2, STEP4]
 
