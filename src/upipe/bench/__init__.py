@@ -22,6 +22,7 @@ import json
 import os
 
 from upipe.bench.layer import UpipeLayer
+from upipe.bench.model import MODEL_METHODS
 from upipe.bench.peers import DEFAULT_METHODS, PEERS, Method, UpipeMethod, make_method
 from upipe.bench.run import TOLERANCE
 
@@ -68,6 +69,10 @@ class BenchConfig:
     """Benchmark upipe's strategies as the whole attention layer (ContextParallelAttention:
     projections, RoPE, attention, o_proj; x and weight gradients; `upipe.bench.layer`)
     instead of the attention op on q/k/v. The peers are ops and are skipped."""
+    model: bool = False
+    """Benchmark a whole Hugging Face model's training step (`upipe.bench.model`): DeepSpeed
+    ALST's attention against upipe's ulysses, upipe and the ALST drop-in, each also with
+    ALST's tiled MLP; --methods from those (default: all of them). CPU, fp32."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -100,12 +105,30 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
     if cfg.repeats < 1 or cfg.warmup < 0:
         return f"--repeats must be >= 1 and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
+    if cfg.model:
+        return _model_problem(cfg)
     for spec in cfg.methods:
         try:
             _method(cfg, spec, nproc)
         except ValueError as exc:
             return str(exc)
     return None
+
+
+def _model_problem(cfg: BenchConfig) -> str | None:
+    if cfg.layer or cfg.device != "cpu" or cfg.dtype != "float32":
+        return "--model runs on CPU ranks in float32, without --layer"
+    unknown = set(model_config(cfg).methods) - set(MODEL_METHODS)
+    if unknown:
+        return f"--model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
+    return None
+
+
+def model_config(cfg: BenchConfig) -> BenchConfig:
+    """`cfg` with the model methods when --methods was left at the op benchmark's default."""
+    if cfg.methods == DEFAULT_METHODS:
+        return dataclasses.replace(cfg, methods=MODEL_METHODS)
+    return cfg
 
 
 def _method(cfg: BenchConfig, spec: str, nproc: int) -> Method:
@@ -162,6 +185,10 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     problem = validate(cfg, nproc)
     if problem:
         raise ValueError(problem)
+    if cfg.model:
+        from upipe.bench.model import run_model_bench
+
+        return run_model_bench(model_config(cfg), quiet=quiet)
     lead = not under_torchrun or dist.get_rank() == 0
     say = print if lead and not quiet else (lambda *a, **k: None)
     methods, skipped = plan_methods(cfg, nproc, extra_methods)

@@ -1,0 +1,368 @@
+"""`upipe bench --model`: one Hugging Face model's whole training step under each context-parallel
+attention, DeepSpeed ALST's beside upipe's, on identical inputs in the same processes.
+
+Legend: B batch, S full sequence, L = S / C local tokens, D = H*d model width, H query heads,
+G kv heads, d head dim, V vocabulary, C ranks.
+
+The model: a `LlamaForCausalLM` from a config (LAYERS layers, D = H*d, MLP width 2D, a byte
+vocabulary), the same random weights on every rank. Its step: forward on this rank's block
+of the sequence (`upipe.integrations.hf.shard_batch`), the loss (`causal_lm_loss`: mean over
+the whole sequence), backward. The methods (MODEL_METHODS):
+  alst            DeepSpeed's ALST attention, `UlyssesSPAttentionHF` (as its
+                  `register_with_transformers` builds it) around transformers' sdpa
+  upipe-ulysses   `apply_context_parallel(strategy="ulysses")`
+  upipe           `apply_context_parallel(strategy="upipe")`: the fused UPipe module
+  upipe-dropin    `upipe.integrations.deepspeed.UPipeSPAttentionHF`, the drop-in for ALST's
+  ...+tiled-mlp   the same with ALST's `TiledMLP` in every MLP, ceil(L / D) tiles (ALST's rule)
+Each ALST-style module is registered with transformers' `AttentionInterface` under its own
+name (what `register_with_transformers` does by overriding "sdpa", which would allow only one
+of them per process); no mask function, so transformers builds no mask, as ALST's wrapper
+drops it.
+
+For each sequence length: rank 0 runs the unsharded model on the full sequence (fp32, sdpa)
+for the reference loss and gradients; each method then runs one step under
+`upipe.MemoryTracker` (per-rank peak of the tensors allocated in the step: activations,
+communication buffers, logits, gradients; the weights excluded), its loss and its gradients
+summed over the ranks are compared with the reference, and `warmup` + `repeats` interleaved
+timed rounds follow (a round's time is the slowest rank's; the median is reported).
+Ratios are against `alst`. One memory unit is one `[B, L, D]` fp32 tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import upipe
+from upipe.bench.peers import TESTED, installed_version
+
+MODEL_METHODS = (
+    "alst",
+    "alst+tiled-mlp",
+    "upipe-ulysses",
+    "upipe",
+    "upipe+tiled-mlp",
+    "upipe-dropin",
+    "upipe-dropin+tiled-mlp",
+)
+TILED = "+tiled-mlp"
+LAYERS = 2
+VOCAB = 256
+_STATE: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The benchmarked model and batch."""
+
+    B: int
+    H: int
+    G: int
+    d: int
+    seed: int
+
+
+class ModelMethod:
+    """One way to make the model context-parallel; picklable (sent to the ranks)."""
+
+    def __init__(self, name: str):
+        if name not in MODEL_METHODS:
+            raise ValueError(f"unknown model method {name!r}; choose from {MODEL_METHODS}")
+        self.name, self.attention = name, name.removesuffix(TILED)
+        self.peer = "deepspeed" if name.startswith("alst") else None
+        self.needs_deepspeed = name.endswith(TILED) or self.attention in ("alst", "upipe-dropin")
+
+    def version(self) -> str:
+        return (installed_version(self.peer) or "") if self.peer else upipe.__version__
+
+    def problem(self, *, H: int, G: int, C: int) -> str | None:
+        if self.needs_deepspeed and installed_version("deepspeed") is None:
+            return f"needs deepspeed=={TESTED['deepspeed']} (pip install 'upipe[integrations]')"
+        if H % C or (G % C and C % G):
+            return f"needs H ({H}) divisible by C ({C}) and G ({G}) dividing or divided by C"
+        return None
+
+    def build(self, base, group):
+        """This method's copy of the base model, converted."""
+        model = copy.deepcopy(base)
+        if self.attention in ("upipe", "upipe-ulysses"):
+            from upipe.integrations.hf import apply_context_parallel
+
+            strategy = "ulysses" if self.attention == "upipe-ulysses" else "upipe"
+            apply_context_parallel(model, group=group, strategy=strategy)
+        else:
+            _register(model, self.attention, group)
+        if self.name.endswith(TILED):
+            for layer in model.model.layers:
+                layer.mlp.forward = _TiledForward(layer.mlp)
+        return model
+
+
+def _register(model, name: str, group) -> None:
+    """An ALST-style attention module registered under `name`, the model set to use it."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if name.startswith("alst"):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF as cls
+
+        extra = {}
+    else:
+        from upipe.integrations.deepspeed import UPipeSPAttentionHF as cls
+
+        extra = {"heads_per_stage": None}
+    cfg = model.config
+    attn = cls(
+        attn=sdpa_attention_forward,
+        batch_size=_STATE["shape"].B,
+        attn_head_count=cfg.num_attention_heads,
+        attn_head_size=cfg.head_dim,
+        kv_head_count=cfg.num_key_value_heads,
+        num_hidden_layers=cfg.num_hidden_layers,
+        process_group=group,
+        seq_length_is_variable=True,
+        **extra,
+    )
+
+    def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+        return attn(module, query, key, value, None, *args, **kwargs)
+
+    key = f"bench-{name}"
+    AttentionInterface.register(key, wrapper)
+    model.set_attn_implementation(key)
+
+
+class _TiledForward:
+    """ALST's `TiledMLP` around a transformers MLP, as ALST's docstring patches LlamaMLP."""
+
+    def __init__(self, mlp):
+        self.mlp = mlp
+
+    @staticmethod
+    def _mlp(mlp, x):
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    def __call__(self, x):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+        shards = math.ceil(x.shape[-2] / x.shape[-1])
+        params = [self.mlp.gate_proj.weight, self.mlp.up_proj.weight, self.mlp.down_proj.weight]
+        return TiledMLP.apply(self._mlp, self.mlp, x, shards, params)
+
+
+def base_model(shape: ModelShape, max_positions: int):
+    """The benchmarked Llama (fp32, random weights from the seed, sdpa attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    D = shape.H * shape.d
+    config = LlamaConfig(
+        hidden_size=D,
+        intermediate_size=2 * D,
+        num_attention_heads=shape.H,
+        num_key_value_heads=shape.G,
+        head_dim=shape.d,
+        num_hidden_layers=LAYERS,
+        vocab_size=VOCAB,
+        max_position_embeddings=max_positions,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(shape.seed)
+    return LlamaForCausalLM(config).float().train()
+
+
+def _step(model, batch, group):
+    from upipe.integrations.hf import causal_lm_loss
+
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = causal_lm_loss(logits, batch["labels"], group=group)
+    loss.backward()
+    return loss.detach()
+
+
+def step_setup(rank, world_size, shape: ModelShape, methods, max_positions: int):
+    """Build every method's model on this rank (deepspeed's comm first, for ALST's)."""
+    import logging
+
+    group = dist.group.WORLD
+    _STATE.clear()
+    _STATE["shape"] = shape
+    if any(m.needs_deepspeed for m in methods):
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+        # ALST only all-to-alls: skip the shared-memory all-reduce extension that deepspeed
+        # would otherwise compile on first use (minutes on a CPU)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    _STATE["base"] = base_model(shape, max_positions)
+    _STATE["models"] = {m.name: m.build(_STATE["base"], group) for m in methods}
+
+
+def step_inputs(rank, world_size, S: int):
+    """This length's batch (the same on every rank) and its block; rank 0: the reference."""
+    from upipe.integrations.hf import shard_batch
+
+    shape = _STATE["shape"]
+    gen = torch.Generator().manual_seed(shape.seed + S)
+    ids_BS = torch.randint(0, VOCAB, (shape.B, S), generator=gen)
+    _STATE["batch"] = shard_batch(ids_BS, group=dist.group.WORLD)
+    _STATE["few"] = shard_batch(ids_BS[:, : 8 * world_size], group=dist.group.WORLD)
+    _STATE["reference"] = None
+    if rank == 0:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, world_size))  # the other ranks wait meanwhile
+        model = copy.deepcopy(_STATE["base"])
+        out = model(input_ids=ids_BS, labels=ids_BS)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        _STATE["reference"] = (out.loss.item(), grads)
+        torch.set_num_threads(threads)
+    dist.barrier()
+
+
+def step_measure(rank, world_size, name: str) -> dict:
+    """One tracked step of `name` after a warm-up on a few tokens; rank 0 returns the peaks
+    of every rank and the errors of the loss and of the summed gradients."""
+    group, model, batch = dist.group.WORLD, _STATE["models"][name], _STATE["batch"]
+    _step(model, _STATE["few"], group)  # warm-up: caches, connections, the tracker
+    model.zero_grad(set_to_none=True)
+    dist.barrier()
+    with upipe.MemoryTracker() as mem:
+        loss = _step(model, batch, group)
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, mem.peak_bytes, group=group)
+    errors = {}
+    for n, p in model.named_parameters():
+        dist.all_reduce(p.grad, group=group)  # each rank holds its tokens' share
+        if rank == 0:
+            ref = _STATE["reference"][1][n]
+            errors[n] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    model.zero_grad(set_to_none=True)
+    if rank != 0:
+        return {}
+    ref_loss = _STATE["reference"][0]
+    return {
+        "peak_bytes_per_rank": peaks,
+        "rel_err": {"loss": abs(loss.item() - ref_loss) / ref_loss, "grads": max(errors.values())},
+    }
+
+
+def step_round(rank, world_size, names: list[str]) -> dict[str, float]:
+    """One timing round: each method's step in turn; this rank's seconds."""
+    group, seconds = dist.group.WORLD, {}
+    for name in names:
+        model = _STATE["models"][name]
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        _step(model, _STATE["batch"], group)
+        seconds[name] = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def drive(run, cfg, methods, tick=lambda text: None) -> list[dict]:
+    """Rows of the table, one per (sequence length, method), through `run(fn, *args)`."""
+    shape = ModelShape(B=cfg.batch_size, H=cfg.heads, G=cfg.kv_heads, d=cfg.head_dim, seed=cfg.seed)
+    run(step_setup, shape, methods, max(cfg.seq_lens))
+    tick("set up")
+    names, rows = [m.name for m in methods], []
+    for S in cfg.seq_lens:
+        run(step_inputs, S)
+        tick(f"S={S}: reference")
+        measured = {}
+        for name in names:
+            measured[name] = run(step_measure, name)[0]
+            tick(f"S={S}: {name} memory+error")
+        rounds = {name: [] for name in names}
+        for i in range(cfg.warmup + cfg.repeats):
+            per_rank = run(step_round, names)
+            if i >= cfg.warmup:
+                for name in names:
+                    rounds[name].append(max(r[name] for r in per_rank))
+            tick(f"S={S}: round {i + 1}")
+        unit = cfg.batch_size * (S // cfg.nproc) * cfg.heads * cfg.head_dim * 4  # [B, L, D] fp32
+        for name in names:
+            peaks = measured[name]["peak_bytes_per_rank"]
+            rows.append(
+                {
+                    "seq_len": S,
+                    "method": name,
+                    "peak_bytes_per_rank": peaks,
+                    "peak_mib": max(peaks) / 2**20,
+                    "peak_units_BLD": max(peaks) / unit,
+                    "seconds_per_round": rounds[name],
+                    "median_seconds": statistics.median(rounds[name]),
+                    "rel_err": measured[name]["rel_err"],
+                    "max_rel_err": max(measured[name]["rel_err"].values()),
+                }
+            )
+    return rows
+
+
+def run_model_bench(cfg, *, quiet: bool = False) -> dict:
+    """`upipe bench --model` on `cfg.nproc` spawned CPU ranks: prints the table, writes the
+    JSON and the plot; returns the document."""
+    from tqdm import tqdm
+
+    from upipe.bench import report
+    from upipe.bench.run import judge
+    from upipe.launch import LocalCluster
+
+    say = (lambda *a, **k: None) if quiet else print
+    methods, skipped = [], {}
+    for m in (ModelMethod(n) for n in cfg.methods):
+        reason = m.problem(H=cfg.heads, G=cfg.kv_heads, C=cfg.nproc)
+        if reason:
+            skipped[m.name] = reason
+            say(f"skipping {m.name}: {reason}", flush=True)
+        else:
+            methods.append(m)
+    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
+    bar = tqdm(total=steps, disable=quiet, desc="upipe bench --model", unit="step")
+
+    def tick(text):
+        bar.set_postfix_str(text)
+        bar.update()
+
+    with LocalCluster(cfg.nproc, timeout_s=3600, pg_timeout_s=600) as cluster:
+        rows = drive(cluster.run, cfg, methods, tick)
+    bar.close()
+    ref = "alst" if any(m.name == "alst" for m in methods) else None
+    judge(rows, "float32", ref)
+    D = cfg.heads * cfg.head_dim
+    header = (
+        f"{cfg.nproc} ranks (gloo, CPU); LlamaForCausalLM, {LAYERS} layers, D={D} "
+        f"(H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim}), MLP {2 * D}, vocabulary {VOCAB}, "
+        f"B={cfg.batch_size}, fp32; one training step (forward, loss, backward); peak = "
+        f"per-rank max of tensors allocated in the step ([B,L,D] = one [B, S/{cfg.nproc}, {D}] "
+        f"fp32 tensor); median of {cfg.repeats} interleaved rounds; max err = relative error "
+        "of the loss and of the summed gradients vs the unsharded model on one process"
+    )
+    doc = {
+        "config": dataclasses.asdict(cfg),
+        "machine": report.machine("cpu", cfg.nproc, 1, methods),
+        "reference_method": ref,
+        "methods": {
+            **{m.name: {"status": "ran", "version": m.version()} for m in methods},
+            **{n: {"status": "skipped", "reason": why} for n, why in skipped.items()},
+        },
+        "results": rows,
+    }
+    say(report.table(rows, skipped, header=header, ref=ref))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        say(f"wrote {os.path.abspath(cfg.json)}")
+    if cfg.plot and rows:
+        report.plot(rows, cfg.plot, title=header[: header.index("; one training step")])
+        say(f"wrote {os.path.abspath(cfg.plot)}")
+    return doc
