@@ -34,18 +34,30 @@ def rope_cos_sin(position_ids_BL, head_dim, *, theta=10000.0, interleaved=False,
     return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 
-def _rotate(x, interleaved):
+def _halves(t, interleaved):
+    """The two members of each rotated pair: (even, odd) features interleaved, else (first
+    half, second half) -- views."""
     if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack([-x2, x1], dim=-1).flatten(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        return t[..., 0::2], t[..., 1::2]
+    half = t.shape[-1] // 2
+    return t[..., :half], t[..., half:]  # (not chunk: its views may not be written in place)
 
 
 def apply_rope(x_BLnd, cos_BLd, sin_BLd, *, interleaved=False):
-    """Rotate x `[B, L, n, d]` by the angles in cos/sin `[B, L, d]` (differentiable)."""
+    """Rotate x `[B, L, n, d]` by the angles in cos/sin `[B, L, d]` (differentiable).
+
+    out = x * cos, then per pair (x1, x2) out1 -= x2 * sin1, out2 += x1 * sin2, in place:
+    besides the output only one half-size product exists at a time (`x * cos + rotate(x) *
+    sin` makes three more tensors of x's size), which matters inside the fused UPipe op,
+    where this runs per stage on [B, L, U, d] at the step's peak. The same operations as
+    that formula, so the same roundings, in eager and compiled code alike.
+    """
     cos, sin = cos_BLd[:, :, None], sin_BLd[:, :, None]
-    return x_BLnd * cos + _rotate(x_BLnd, interleaved) * sin
+    out_BLnd = x_BLnd * cos
+    (x1, x2), (s1, s2), (o1, o2) = (_halves(t, interleaved) for t in (x_BLnd, sin, out_BLnd))
+    o1.sub_(x2 * s1)
+    o2.add_(x1 * s2)
+    return out_BLnd
 
 
 def apply_rope_backward(g_BLnd, cos_BLd, sin_BLd, *, interleaved=False):

@@ -21,6 +21,7 @@ __all__ = [
     "flatten_mesh",
     "is_traceable_wrapper_subclass",
     "saved_tensor_hooks_active",
+    "selective_saved_tensor_hooks",
     "unset_fake_temporarily",
 ]
 # FakeTensorMode / FakeTensor / unset_fake_temporarily: the planner runs a training step on
@@ -38,9 +39,23 @@ def flatten_mesh(mesh, name: str | None = None):
 
 def saved_tensor_hooks_active() -> bool:
     """Whether default saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, as
-    activation checkpointing and CPU offload install) are active: torch offers the context
-    manager but no public query."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    activation checkpointing and CPU offload install) are active, other than
+    `selective_saved_tensor_hooks`: torch offers the context manager but no public query
+    (the innermost pair is what `_top_saved_tensors_default_hooks` returns)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    return getattr(top[0], "outer_hooks_active", True)
+
+
+def selective_saved_tensor_hooks(pack, unpack):
+    """`saved_tensors_hooks(pack, unpack)` for hooks that act on a few known tensors and pass
+    every other one through unchanged (`pack(t) is t`): `saved_tensor_hooks_active` then
+    answers as outside them, so code that keeps intermediates out of `save_for_backward`
+    while no hooks want to see them (upipe's attention ops, to free them early) still
+    does."""
+    pack.outer_hooks_active = saved_tensor_hooks_active()
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def current_graph_task_id() -> int:

@@ -11,7 +11,8 @@ Per round (kv heads `kv_idx`) and stage (query heads `q_idx`), on each rank:
 (norm_q/norm_k: the optional QK-norm, RMSNorm over each head's d features; identity without;
 b_q/b_k/b_v: the optional projection biases, as in Qwen2, with the heads' rows taken alike)
     out_BSud, lse = attention(q_BSud, k_BSkd, v_BSkd)  --head_to_seq-->  out_BLUd
-    y += out_BLUd W_o[:, q_idx]^T                       (fp32 accumulator)
+    y = sum over stages of out_BLUd W_o[:, q_idx]^T    (after the stages, in row chunks,
+                                                        summed in fp32: `_o_proj`)
 so full-head q/k/v never exist and o_proj needs no full-width input. Saved: x, the weights,
 cos/sin, each stage's out_BLUd (needed for dW_o and the kernel's backward) and lse.
 On a 2-D mesh `group` is the ulysses group, S becomes the ring rank's P = C * L tokens and
@@ -54,22 +55,38 @@ from upipe.kernels import acc_dtype, resolve_backend, uses_cuda_kernels
 
 def _forward(layer: StagedLayer):
     """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse."""
-    plan, N = layer.plan, layer.B * layer.L
-    y32_ND = torch.zeros(N, layer.D, dtype=acc_dtype(layer.x_ND.dtype), device=layer.x_ND.device)
-    out_slices, lse_list = [], []
+    plan = layer.plan
+    out_slices, lse_list, stage_ids = [], [], []
     for rnd in plan.rounds:
         k_BSkd, v_BSkd = layer.kv(rnd)
         stages = staged(len(rnd.stages), functools.partial(layer.q, rnd), plan.overlap)
         for s, q_BSud in stages:
             out_BSud, lse_BuS = rnd.stage_attention(plan.attn, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
-            out_BLUd = to_seq(plan.ex, out_BSud, rnd.q_split(s))
+            out_slices.append(to_seq(plan.ex, out_BSud, rnd.q_split(s)))
             del out_BSud
-            layer.gemm_acc_(y32_ND, out_BLUd.view(N, -1), layer.wo_cols(rnd, s).t())
-            out_slices.append(out_BLUd)
             lse_list.append(lse_BuS)
+            stage_ids.append((rnd, s))
         del k_BSkd, v_BSkd
-    return y32_ND.view(layer.B, layer.L, layer.D).to(layer.x_ND.dtype), out_slices, lse_list
+    return _o_proj(layer, out_slices, stage_ids), out_slices, lse_list
+
+
+def _o_proj(layer: StagedLayer, out_slices, stage_ids, row_chunks: int = 8):
+    """y = sum over stages of out_s W_o[:, heads_s]^T `[B, L, D]`, summed in fp32 and rounded
+    once, one row chunk at a time: the stage outputs are saved for backward anyway, so y
+    needs no full fp32 accumulator (2 [B, L, D] in bf16 units) while the stages run, only
+    one of N / row_chunks rows at the end."""
+    N, D = layer.B * layer.L, layer.D
+    y_ND = torch.empty(N, D, dtype=layer.x_ND.dtype, device=layer.x_ND.device)
+    step = -(-N // row_chunks)
+    for r0 in range(0, N, step):
+        acc32 = torch.zeros(min(step, N - r0), D, dtype=acc_dtype(y_ND.dtype), device=y_ND.device)
+        for out_BLUd, (rnd, s) in zip(out_slices, stage_ids, strict=True):
+            out_rows = out_BLUd.view(N, -1)[r0 : r0 + step]
+            layer.gemm_acc_(acc32, out_rows, layer.wo_cols(rnd, s).t())
+        y_ND[r0 : r0 + step] = acc32
+        del acc32
+    return y_ND.view(layer.B, layer.L, D)
 
 
 def _backward_exchanges(layer: StagedLayer, dy_ND, dwo_DHd, out_slices, rnd, s):

@@ -17,6 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from upipe import loops
 from upipe.model.offload import Offloader
+from upipe.torch_private import selective_saved_tensor_hooks
 
 
 def _tiled(fn, x_BLD: torch.Tensor, tile: int) -> torch.Tensor:
@@ -33,51 +34,73 @@ def _tiled(fn, x_BLD: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 class _TiledRecompute(torch.autograd.Function):
-    """y[:, s:s+T] = fn(x[:, s:s+T]) tile by tile; nothing but x is saved.
+    """y[:, s:s+T] = fn(x[:, s:s+T]) tile by tile (with `residual`: x + fn(x)); nothing but
+    x is saved.
 
     Forward holds one tile's intermediates at a time (for a SwiGLU MLP: three [B, T, F]
     tensors instead of three [B, L, F]); backward recomputes each tile and back-propagates
     its slice of the output gradient, writing dx tile by tile.
+
+    `residual`: the gradient dx = dy + J_fn^T dy is written into dy itself, tile by tile
+    (each tile's dy is read by its own backward first), and dy is returned as dx: no second
+    [B, L, D] gradient exists. The autograd engine keeps the gradient it passes to a node
+    alive until the node returns, so only writing into it spares that memory. This is
+    sound when this node is dy's only consumer -- true for a block output that feeds the
+    next block (or the final norm), whose gradient is that node's freshly made output; a
+    gradient hook or `retain_grad` on y gets its own copy before this runs. A gradient that
+    is a view or not contiguous (an expanded `sum()` gradient) is copied first.
     """
 
     @staticmethod
-    def forward(ctx, x_BLD, fn, tile):
-        ctx.fn, ctx.tile = fn, tile
+    def forward(ctx, x_BLD, fn, tile, residual):
+        ctx.fn, ctx.tile, ctx.residual = fn, tile, residual
         ctx.save_for_backward(x_BLD)
-        return _tiled(fn, x_BLD, tile)
+        y_BLD = _tiled(fn, x_BLD, tile)
+        return y_BLD.add_(x_BLD) if residual else y_BLD
 
     @staticmethod
     def backward(ctx, dy_BLD):
         (x_BLD,) = ctx.saved_tensors
-        dx_BLD = torch.empty_like(x_BLD)
+        if not ctx.residual:
+            dx_BLD = torch.empty_like(x_BLD)
+        elif dy_BLD._base is None and dy_BLD.is_contiguous():
+            dx_BLD = dy_BLD
+        else:  # a view (of a larger gradient) or an expanded one: not ours to write
+            dx_BLD = dy_BLD = dy_BLD.clone()
         for s in loops.tile_starts(x_BLD.shape[1], ctx.tile):
             x_BTD = x_BLD[:, s : s + ctx.tile].detach().requires_grad_()
             with torch.enable_grad():
                 y_BTD = ctx.fn(x_BTD)
             torch.autograd.backward(y_BTD, dy_BLD[:, s : s + ctx.tile])
-            dx_BLD[:, s : s + ctx.tile] = x_BTD.grad
+            if ctx.residual:  # dy_T (read above) becomes dy_T + J^T dy_T, in place
+                dx_BLD[:, s : s + ctx.tile] += x_BTD.grad
+            else:
+                dx_BLD[:, s : s + ctx.tile] = x_BTD.grad
             del x_BTD, y_BTD
-        return dx_BLD, None, None
+        return dx_BLD, None, None, None
 
 
-def tiled_recompute(fn, x_BLD: torch.Tensor, tile_tokens: int) -> torch.Tensor:
-    """`fn(x)` for a position-wise `fn` (an MLP), computed and recomputed in sequence tiles
-    of `tile_tokens`; without grad it simply runs tile by tile."""
+def tiled_recompute(fn, x_BLD: torch.Tensor, tile_tokens: int, *, residual: bool = False):
+    """`fn(x)` for a position-wise `fn` (an MLP with the norm before it), computed and
+    recomputed in sequence tiles of `tile_tokens`; `residual`: `x + fn(x)`, its backward
+    writing dx into the incoming gradient (see `_TiledRecompute`). A sequence of one tile
+    runs plainly; without grad it simply runs tile by tile."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
     if x_BLD.shape[1] <= tile_tokens:
-        return fn(x_BLD)
+        return x_BLD + fn(x_BLD) if residual else fn(x_BLD)
     if not (torch.is_grad_enabled() and x_BLD.requires_grad):  # e.g. a checkpointed forward
-        return _tiled(fn, x_BLD, tile_tokens)
-    return _TiledRecompute.apply(x_BLD, fn, tile_tokens)
+        y_BLD = _tiled(fn, x_BLD, tile_tokens)
+        return y_BLD.add_(x_BLD) if residual else y_BLD
+    return _TiledRecompute.apply(x_BLD, fn, tile_tokens, residual)
 
 
 class _Checkpoint(torch.autograd.Function):
     """y = fn(x, *args) keeping only x (in the offloader's host slot `index` if given).
 
     Backward recomputes y with grad, releases it (its backward needs only its graph, not its
-    values: one [B, L, D] less while the block's backward runs, the room the offloader's
-    prefetch of the next block input takes), and back-propagates dy through the graph.
+    values: one [B, L, D] less while the block's backward runs), and back-propagates dy
+    through the graph.
     """
 
     @staticmethod
@@ -93,17 +116,76 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, dy_BLD):
         if ctx.offload is None:
             (x_BLD,) = ctx.saved_tensors
+            x_BLD = x_BLD.detach().requires_grad_()
+            with torch.enable_grad():
+                y_BLD = ctx.fn(x_BLD, *ctx.args)
+            dx = [x_BLD]
         else:
-            x_BLD = ctx.offload.load(ctx.token, ctx.index, ctx.device)
-        x_BLD = x_BLD.detach().requires_grad_()
-        with torch.enable_grad():
-            y_BLD = ctx.fn(x_BLD, *ctx.args)
+            offload, token, index = ctx.offload, ctx.token, ctx.index
+
+            def load():
+                return offload.load(token, index, ctx.device)
+
+            # x enters the recomputed graph as a non-leaf (`_Input`), so the graph holds it
+            # only where it saves it, and the hooks keep those as promises of `load()`: the
+            # device copy is freed as soon as the recomputation is done with it
+            dx, anchor = [], torch.empty(0, requires_grad=True)
+            with torch.enable_grad():
+                x_BLD = _Input.apply(anchor, load(), dx)
+                with _from_host(x_BLD, load):
+                    y_BLD = ctx.fn(x_BLD, *ctx.args)
+                del x_BLD
         y_edge = get_gradient_edge(y_BLD)
         del y_BLD
-        if ctx.offload is not None:
-            ctx.offload.prefetch(ctx.index - 1, ctx.device)
         torch.autograd.backward(y_edge, dy_BLD)
-        return (x_BLD.grad, None, None, None) + (None,) * len(ctx.args)
+        if ctx.offload is not None:
+            ctx.offload.release(ctx.token, ctx.index)
+        (dx_BLD,) = [x.grad for x in dx] if ctx.offload is None else dx
+        return (dx_BLD, None, None, None) + (None,) * len(ctx.args)
+
+
+class _Input(torch.autograd.Function):
+    """x as it enters a recomputed graph, from a placeholder leaf `anchor` (which gets no
+    gradient): its gradient is appended to `sink` instead of kept on a leaf, so the graph
+    does not hold x itself (an autograd leaf would: its gradient accumulator keeps it)."""
+
+    @staticmethod
+    def forward(ctx, anchor, x_BLD, sink):
+        ctx.sink = sink
+        return x_BLD.view_as(x_BLD)
+
+    @staticmethod
+    def backward(ctx, dx_BLD):
+        ctx.sink.append(dx_BLD)
+        return None, None, None
+
+
+def _from_host(x_BLD: torch.Tensor, load):
+    """While recomputing: a saved x (the block's first norm saves it; or an alias of it with
+    x's shape, as module hooks make) is kept as a promise, fulfilled by `load()` -- a fresh
+    copy from the host -- when the backward needs it (see `upipe.model.offload`). Any other
+    saved tensor, a differently shaped view of x included, is saved as usual. The copy is
+    made once and kept until the recomputed graph is freed."""
+    promise, loaded = object(), []
+    key, geometry = x_BLD.untyped_storage()._cdata, _geometry(x_BLD)
+
+    def pack(t):
+        if t.untyped_storage()._cdata == key and _geometry(t) == geometry:
+            return promise
+        return t
+
+    def unpack(packed):
+        if packed is not promise:
+            return packed
+        if not loaded:  # once: the CPU's composite RMSNorm saves x twice
+            loaded.append(load())
+        return loaded[0]
+
+    return selective_saved_tensor_hooks(pack, unpack)
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset(), t.dtype
 
 
 def activation_checkpoint(
@@ -112,9 +194,8 @@ def activation_checkpoint(
     """`fn(x, *args)` saving only x for backward (recomputing the rest there).
 
     `offload`: the model's `Offloader`, which keeps x in host memory between forward and
-    backward, in slot `index` (the block's position in forward order; in this block's
-    backward the offloader brings back block index - 1's input ahead); None keeps x where it
-    is. `args` are not differentiated (positions and the like).
+    backward, in slot `index` (the block's position in forward order); None keeps x where
+    it is. `args` are not differentiated (positions and the like).
     """
     if offload is not None and not (isinstance(offload, Offloader) and isinstance(index, int)):
         raise ValueError(

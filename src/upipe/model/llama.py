@@ -75,8 +75,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); with `tile_tokens` set, run in sequence tiles
-    and recomputed in backward (the [B, L, F] intermediates never exist)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). `tile_tokens` (set: the tiled MLP feature) is read
+    by `Block`, which then runs the norm, this MLP and the residual add in sequence tiles,
+    recomputed in backward (the [B, L, F] intermediates never exist)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -85,17 +86,18 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=False)
         self.tile_tokens: int | None = None
 
-    def _swiglu(self, x_BLD):
-        return self.down_proj(F.silu(self.gate_proj(x_BLD)) * self.up_proj(x_BLD))
-
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        if self.tile_tokens is None:
-            return self._swiglu(x_BLD)
-        return tiled_recompute(self._swiglu, x_BLD, self.tile_tokens)
+        return self.down_proj(F.silu(self.gate_proj(x_BLD)) * self.up_proj(x_BLD))
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)) (pre-norm residual block)."""
+    """h = x + attn(norm(x)), then h + mlp(norm(h)) (pre-norm residual block).
+
+    With the tiled MLP (`mlp.tile_tokens`) the second half, norm included, runs in sequence
+    tiles (`features.tiled_recompute(..., residual=True)`): only h is saved for it (not
+    also norm(h)), and its backward writes dh = dy + J^T dy into dy, so a block's backward
+    holds one [B, L, D] gradient where plain autograd holds two (dy, kept by the engine
+    until the block's node returns, and the sum)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,7 +112,12 @@ class Block(nn.Module):
         # cu_seqlens only when given: an attention module swapped in needs not know it
         kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         h_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), position_ids_BL, **kw)
-        return h_BLD + self.mlp(self.post_attention_layernorm(h_BLD))
+        if self.mlp.tile_tokens is None:
+            return h_BLD + self.mlp(self.post_attention_layernorm(h_BLD))
+        return tiled_recompute(self._mlp_rows, h_BLD, self.mlp.tile_tokens, residual=True)
+
+    def _mlp_rows(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h_BTD))
 
 
 class Decoder(nn.Module):

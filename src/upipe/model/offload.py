@@ -1,13 +1,16 @@
 """Activation offload: the checkpointed block inputs live in host memory between forward and
-backward, copied on a side stream, and each comes back one block ahead of its backward.
+backward, copied on a side stream, and each comes back when its block's backward starts.
 
 One `Offloader(n_blocks)` serves all the blocks of a model (`CausalLM.offload`, set by
 `upipe.train.apply_memory_features` when training on CUDA);
 `upipe.model.features.activation_checkpoint` calls it. Forward, block i: `save(x_i, i)`
 copies its input into slot i of a host arena.
-Backward (blocks i = n-1, ..., 0): `load` returns x_i on the device (fetched then only for
-the last block; the others were prefetched), block i recomputes its forward, and
-`prefetch(i - 1)` starts bringing back x_{i-1} while block i's backward computes.
+Backward (blocks i = n-1, ..., 0): `load` brings x_i back to the device, and block i
+recomputes its forward and runs its backward. The recomputed graph keeps no device copy of
+x_i (`features._Checkpoint`): the block's first norm, which saves it, gets it through
+`load` again when its backward runs, after the attention backward -- the step's device peak
+at long context -- so that peak holds no block input at all. A block's input is copied back
+twice, the host slot read twice (see the cost below).
 
 Host memory: one arena per model, `n_blocks` slots of one block input, allocated at its exact
 size on the first step and reused by every step (a new one only if the block input's shape or
@@ -33,16 +36,20 @@ registers `malloc`ed memory the same way), which pins the pages holding those by
 more, and is `cudaHostUnregister`ed, once the side stream is done with it, before it is
 freed. Registering is slow (every page is faulted in and pinned) but happens once per run.
 
-Device memory: while block i's backward runs, x_{i-1} is already on the device, one
-`[B, L, D]` more than fetching each input when its block needs it:
+Why not bring x_{i-1} back ahead, while block i's backward computes (as upipe did until
+2026-11-30): it holds one more `[B, L, D]` through block i's backward, whose attention
+backward is the step's device peak at long context (`upipe.planner`; Llama3-8B on 8 GPUs at
+6.2M tokens: 5.94 GiB of a 75 GiB budget, about 1 of the 8 `[B, L, D]` units at the peak).
+What fetching on demand costs is the copies' time, no longer hidden, twice per block:
 
-    prefetch bytes = B * L * D * element_size    (6.75 GiB in the example above)
+    2 * B * L * D * element_size / W_h2d
 
-The recomputed output y_i is released before block i's backward (`features._Checkpoint`: its
-backward needs only its graph), and that pays for it: x_{i-1} takes y_i's place, so the
-device peak is that of fetching on demand with y_i kept alive, as upipe did before the
-prefetch (the planner's simulated peaks with offload are unchanged). `tests/test_offload.py`
-measures the one `[B, L, D]`.
+against the block's backward, whose causal attention alone costs about
+3.5 * 2 * S^2 * H * d / C FLOPs per GPU (the recomputed forward, 2 S^2 H d, and the
+backward, 2.5 times that). Llama3-8B (D = 4096, H = 32, d = 128) on C = 8 GPUs, at
+W_h2d = 50 GB/s and 400 TFLOP/s: at S = 8M (L = 1M) the two copies of 8 GiB take 0.34 s and
+the attention 570 s; at S = 1M, 43 ms and 9 s. The copies are well under 1% of the step
+wherever offload is worth using.
 
 Streams (CUDA; on the CPU every copy is a plain copy in program order): all copies run on one
 side stream, so the copy into a slot (forward) and out of it (backward, and the next step's
@@ -51,7 +58,7 @@ the compute stream (device -> host: x is complete; host -> device: the destinati
 on the compute stream, may reuse memory that queued work still uses). x is marked used by the
 side stream (`Tensor.record_stream`), so the caching allocator hands its memory out again
 only after the copy (if copies lag behind the blocks' compute, short sequences, block inputs
-wait on the device for them); a prefetched input is used, or dropped, only after the compute
+wait on the device for them); a fetched input is used only after the compute
 stream waited for its copy's event, so it needs no mark. `copy_(non_blocking=True)` between a
 CUDA tensor and page-locked host memory is a `cudaMemcpyAsync` on the current stream
 (`copy_kernel_cuda`, `aten/src/ATen/native/cuda/Copy.cu`); torch does not track the lifetime
@@ -72,8 +79,9 @@ class Offloader:
     """Host slots for the inputs of `n_blocks` checkpointed blocks on `host` (the CPU; the
     planner's simulation uses the meta device), with the copies scheduled as in the module doc.
 
-    Each block input is used by at most one backward: `load` frees the slot, and a forward that
-    writes a slot again before the earlier backward loaded it makes that load raise.
+    Each block input serves one backward, which may `load` it more than once and then
+    `release`s the slot; a forward that writes a slot again before the earlier backward
+    released it makes that backward's `load` raise.
     """
 
     def __init__(self, n_blocks: int, host: str | torch.device = "cpu"):
@@ -84,7 +92,6 @@ class Offloader:
         """`[n_blocks * B * L * D]` on `host`: slot i holds block i's input."""
         self._slot: tuple[torch.Size, torch.dtype] | None = None  # the block input's shape, dtype
         self._owner: list[object | None] = [None] * n_blocks  # the token whose input a slot holds
-        self._pending: tuple | None = None  # (token, x_BLD, event): an input brought back ahead
         self._stream = None  # CUDA side stream of the copies
         self._unpin = None  # unregisters the arena (CUDA)
 
@@ -93,7 +100,6 @@ class Offloader:
         `load` takes back."""
         if not 0 <= index < self.n_blocks:
             raise ValueError(f"block index {index} out of range for {self.n_blocks} blocks")
-        self._drop_pending()  # a forward: an input brought back ahead is of no use any more
         if x_BLD.is_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(x_BLD.device)
         if self._slot != (x_BLD.shape, x_BLD.dtype):
@@ -103,31 +109,22 @@ class Offloader:
         return token
 
     def load(self, token: object, index: int, device: torch.device) -> torch.Tensor:
-        """Backward of block `index`: its input on `device`, ready to use on the current stream."""
+        """Backward of block `index`: its input on `device`, ready to use on the current stream
+        (a new copy at each call)."""
         if self._owner[index] is not token:
             raise RuntimeError(
                 f"the offloaded input of block {index} was overwritten by a later forward (or "
                 "already used by a backward); run each backward before the next forward"
             )
-        if self._pending is None or self._pending[0] is not token:
-            self._drop_pending()
-            self._fetch(index, device)
-        _, x_BLD, event = self._pending
-        self._pending = self._owner[index] = None
-        _wait(event, device)
-        return x_BLD
-
-    def prefetch(self, index: int, device: torch.device) -> None:
-        """Start bringing block `index`'s input back to `device` (called in the backward of
-        block index + 1, once it has recomputed its forward); nothing if index < 0."""
-        if index >= 0 and self._owner[index] is not None and self._pending is None:
-            self._fetch(index, device)
-
-    def _fetch(self, index: int, device: torch.device) -> None:
-        """Start copying slot `index` into a new tensor on `device`: the pending input."""
         shape, dtype = self._slot
         x_BLD = torch.empty(shape, dtype=dtype, device=device)  # on the compute stream
-        self._pending = (self._owner[index], x_BLD, _copy(x_BLD, self._view(index), self._stream))
+        _wait(_copy(x_BLD, self._view(index), self._stream), device)
+        return x_BLD
+
+    def release(self, token: object, index: int) -> None:
+        """End of block `index`'s backward: its slot may be written again."""
+        if self._owner[index] is token:
+            self._owner[index] = None
 
     def _view(self, index: int) -> torch.Tensor:
         shape, _ = self._slot
@@ -144,12 +141,6 @@ class Offloader:
         self._slot = (like.shape, like.dtype)
         if self._stream is not None:
             self._unpin = _pin(self, self.arena, self._stream)
-
-    def _drop_pending(self) -> None:
-        if self._pending is not None:
-            _, x_BLD, event = self._pending
-            _wait(event, x_BLD.device)  # its memory is reused only after the copy
-            self._pending = None
 
 
 # The CUDA calls (stream, events, host registration); `stream` is None without CUDA.
