@@ -11,6 +11,7 @@ from train_workers import small_config
 
 from upipe.planner.plan import EXTRAPOLATION_DEPTHS, PlanConfig, max_fitting, plan, table
 from upipe.planner.step import StepSimulator
+from upipe.train import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -126,7 +127,7 @@ def test_simulated_peak_equals_real_run(clusters, strategy, kw):
 def test_plan_end_to_end_small():
     pc = PlanConfig(
         model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
-        max_seq_len=8192, strategies=("ulysses", "upipe"), stage_multiples=(1,), features=("on",),
+        max_seq_len=8192, strategies=("ulysses", "upipe"), heads_per_stage=(2,), features=("on",),
         mlp_tile=256, loss_chunk=256,
     )  # fmt: skip
     res = plan(pc)
@@ -144,7 +145,7 @@ def test_plan_host_memory_budget_and_batch():
     fits shorter sequences."""
     pc = PlanConfig(
         model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
-        max_seq_len=8192, strategies=("upipe",), stage_multiples=(1,), features=("on",),
+        max_seq_len=8192, strategies=("upipe",), heads_per_stage=(2,), features=("on",),
         mlp_tile=256, loss_chunk=256, jobs=1,
     )  # fmt: skip
     free = plan(pc)["strategies"][0]
@@ -162,6 +163,69 @@ def test_plan_host_memory_budget_and_batch():
     assert "(host memory)" in table(res)
     with pytest.raises(ValueError, match="host-memory-gib"):
         plan(dataclasses.replace(pc, host_memory_gib=0.0))
+
+
+def test_heads_per_stage_defaults_to_C_and_2C():
+    from upipe.model import get_config
+    from upipe.planner.plan import candidates
+
+    def labels(**kw):
+        pc = PlanConfig(model="llama3-8b", strategies=("upipe",), features=("off",), **kw)
+        return [r[0] for r in candidates(pc, get_config("llama3-8b"))]
+
+    assert labels(gpus=8) == ["upipe U=8", "upipe U=16"]
+    assert labels(gpus=32) == ["upipe U=32"]  # 2C = 64 > the model's 32 heads
+    assert labels(gpus=8, heads_per_stage=(16, 32)) == ["upipe U=16", "upipe U=32"]
+
+
+@pytest.mark.parametrize(
+    "model,strategy,features,fsdp",
+    [
+        ("tiny-qwen3", "upipe", "mlp+loss+recompute", False),  # QK-norm, U = 2C
+        ("tiny", "ring", "loss+recompute", True),
+    ],
+)
+def test_plan_on_cpu_predicts_a_real_run(clusters, model, strategy, features, fsdp):
+    """`upipe plan --device cpu` on configurations no other test tuned the simulation to:
+    the planned longest length, trained for real on 2 gloo ranks, peaks within 2% of the
+    plan's peak and inside the budget."""
+    from plan_workers import real_peak
+
+    pc = PlanConfig(
+        model=model, gpus=2, gpu_memory_gib=0.03, reserve_gib=0.01, granularity=256,
+        max_seq_len=16384, strategies=(strategy,), heads_per_stage=(4,), features=(features,),
+        mlp_tile=256, loss_chunk=256, fsdp=fsdp, device="cpu", jobs=1,
+    )  # fmt: skip
+    res = plan(pc)
+    (row,) = res["strategies"]
+    S = row["max_seq_len"]
+    assert 0 < S < pc.max_seq_len and row["limited_by"] == "device memory"
+    planned = {p["seq_len"]: p["peak_bytes"] for p in row["points"]}[S]
+    cfg = TrainConfig(**row["train_config"], plot=None)
+    (real,) = [max(p) for p in zip(*clusters(2).run(real_peak, cfg, [S]), strict=True)]
+    assert abs(planned - real) <= 0.02 * real, (planned, real)
+    assert real <= res["budget_bytes"]
+
+
+def test_block_backward_units():
+    """The squeezed block backward (docs/plan.md): Llama3-8B on 8 x 80 GiB with every memory
+    feature, bf16 with fp32 masters: [L, D] bf16 units at the step's device peak (its growth
+    from 4M to 6M tokens over the growth of one [L, D]) -- UPipe U = 8 at most 6.33 (9.33
+    before the squeeze), Ulysses 12.08 (15.08)."""
+    from upipe.model import get_config
+    from upipe.planner.plan import candidates
+
+    model = get_config("llama3-8b")
+    pc = PlanConfig(gpus=8, strategies=("ulysses", "upipe"), heads_per_stage=(8,))
+    units = {}
+    for label, kw, _ in candidates(dataclasses.replace(pc, features=("on",)), model):
+        with StepSimulator(
+            TrainConfig(**kw, plot=None), 8, model, depths=EXTRAPOLATION_DEPTHS
+        ) as sim:
+            a, b = (sim.step(S).peak_bytes for S in (4 * 2**20, 6 * 2**20))
+        units[label] = (b - a) / (2 * 2**20 // 8 * model.hidden_size * 2)
+    assert units["upipe U=8 +features"] <= 6.34, units
+    assert units["ulysses +features"] <= 12.09, units
 
 
 def test_feature_sets():
@@ -214,7 +278,7 @@ def test_candidates_on_an_odd_gpu_count():
     from upipe.planner.plan import candidates
 
     def rows(gpus):
-        pc = PlanConfig(model="llama3-8b", gpus=gpus, features=("on",), stage_multiples=(1,))
+        pc = PlanConfig(model="llama3-8b", gpus=gpus, features=("on",), heads_per_stage=(gpus,))
         return {label: (kw, why) for label, kw, why in candidates(pc, get_config("llama3-8b"))}
 
     six = rows(6)

@@ -48,18 +48,23 @@ class PlanConfig:
     """Memory per GPU in GiB."""
     reserve_gib: float = 5.0
     """Memory per GPU that tensors cannot use (CUDA context, NCCL buffers, fragmentation)."""
-    host_memory_gib: float | None = None
-    """Pinned host memory per GPU for offloaded activations, in GiB (default: unlimited, the
-    need is only reported); e.g. 128 for 1 TiB per 8-GPU node."""
+    host_memory_gib: float = 256.0
+    """Host memory per GPU for the offloaded block inputs, in GiB (256: 2 TiB per 8-GPU
+    node; 128 for 1 TiB; inf: unlimited, the need is only reported)."""
+    device: str = dataclasses.field(default="cuda", metadata={"choices": ("cuda", "cpu")})
+    """The platform planned: cuda charges the CUDA kernels' memory (flash-attn's backward
+    buffers, fused RMSNorm, out_dtype GEMMs) and offloads to host memory; cpu charges the CPU
+    kernels' and offloads nothing, as `upipe train` runs on CPU (to check a plan against a
+    real run on this machine)."""
     granularity: int = 65536
     """Sequence lengths searched are multiples of this."""
     max_seq_len: int = 16 * 2**20
     """Longest sequence considered."""
     strategies: tuple[str, ...] = tuple(STRATEGIES)
-    """Strategies to plan (upipe once per --stage-multiples)."""
-    stage_multiples: tuple[int, ...] = (1, 2)
-    """UPipe candidates' heads per stage U, as multiples of the ulysses size (1: U = the
-    ulysses size, one head per rank per stage)."""
+    """Strategies to plan (upipe once per --heads-per-stage)."""
+    heads_per_stage: tuple[int, ...] = ()
+    """UPipe candidates' heads per stage U (as `upipe train --heads-per-stage`; multiples
+    of the ulysses size). Default: the ulysses size C (one head per rank per stage) and 2C."""
     features: tuple[str, ...] = ("off", "on")
     """Memory feature sets to plan: off, on (all four), or some of mlp (tiled MLP), loss
     (chunked loss), recompute (activation checkpointing), offload joined by '+', e.g.
@@ -160,13 +165,23 @@ def _step(pc: PlanConfig) -> int:
     return math.lcm(pc.granularity, 2 * pc.gpus)
 
 
+def _stage_candidates(pc: PlanConfig, spec, model) -> tuple:
+    """The heads per stage to plan for a strategy: `pc.heads_per_stage`, by default C and 2C
+    (C: the strategy's ulysses size); (None,) for strategies without stages."""
+    if not spec.heads_per_stage:
+        return (None,)
+    if pc.heads_per_stage:
+        return pc.heads_per_stage
+    uly = TrainConfig(strategy=spec.name, nproc=pc.gpus, plot=None).degrees(pc.gpus)[2]
+    return tuple(heads for heads in (uly, 2 * uly) if heads <= model.n_heads)
+
+
 def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     """(label, TrainConfig fields, problem or None) of each strategy x features asked for."""
     rows = []
     for strategy in pc.strategies:
         spec = get_strategy(strategy)
-        stages = pc.stage_multiples if spec.heads_per_stage else (None,)
-        for mult in stages:
+        for U in _stage_candidates(pc, spec, model):
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
                 kw["master_dtype"] = pc.master_dtype
@@ -180,10 +195,9 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                     uly = uly if uly < pc.gpus else max(1, uly // 2)
                     kw["ring"] = pc.gpus // uly
                     label = f"{strategy} {kw['ring']}x{pc.gpus // kw['ring']}"
-                if mult is not None:
-                    uly = TrainConfig(**kw).degrees(pc.gpus)[2]
-                    kw["heads_per_stage"] = mult * uly
-                    label = f"{strategy} U={mult * uly}"
+                if U is not None:
+                    kw["heads_per_stage"] = U
+                    label = f"{strategy} U={U}"
                 on = feature_set(feat)
                 if "mlp" in on:
                     kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile)
@@ -208,8 +222,8 @@ def plan(pc: PlanConfig, progress=None) -> dict:
     budget = (pc.gpu_memory_gib - pc.reserve_gib) * GiB
     if budget <= 0:
         raise ValueError(f"--reserve-gib {pc.reserve_gib} leaves nothing of {pc.gpu_memory_gib}")
-    if pc.host_memory_gib is not None and pc.host_memory_gib <= 0:
-        raise ValueError(f"--host-memory-gib must be positive, got {pc.host_memory_gib}")
+    if not pc.host_memory_gib > 0:
+        raise ValueError(f"--host-memory-gib must be positive (or inf), got {pc.host_memory_gib}")
     if pc.master_dtype == "bfloat16" and pc.dtype == "float32":
         raise ValueError("--master-dtype bfloat16 is less precise than --dtype float32")
     if pc.jobs < 1 or pc.batch_size < 1:
@@ -246,9 +260,9 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     cfg = TrainConfig(**kw, plot=None)
     step = _step(pc)
     depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None
-    host_budget = None if pc.host_memory_gib is None else pc.host_memory_gib * GiB
+    host_budget = pc.host_memory_gib * GiB
     mems, start = {}, time.perf_counter()
-    with StepSimulator(cfg, pc.gpus, model, depths=depths) as sim:
+    with StepSimulator(cfg, pc.gpus, model, depths=depths, kernels=pc.device) as sim:
 
         def used(S):
             """The fraction of the budget S needs: of the device memory, or of the host
@@ -256,8 +270,7 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
             m = mems[S] = sim.step(S, explain=True)  # what is live at the peak: about free
             if progress:
                 progress(label, S, m.peak_bytes)
-            host = 0.0 if host_budget is None else m.host_peak_bytes / host_budget
-            return max(m.peak_bytes / budget, host)
+            return max(m.peak_bytes / budget, m.host_peak_bytes / host_budget)
 
         best, _ = max_fitting(used, 1.0, step, pc.max_seq_len)
     beyond = mems.get(best + step)  # measured unless best is the limit
@@ -291,12 +304,9 @@ def table(res: dict) -> str:
     """The results as a text table: max context, peak there, host RAM, top tensor."""
     lines = [
         f"budget per GPU: {res['budget_bytes'] / GiB:.2f} GiB of tensors "
-        f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve)"
-        + (
-            f", {host:g} GiB of host memory for offload"
-            if (host := res["config"]["host_memory_gib"]) is not None
-            else ""
-        ),
+        f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve), "
+        f"{res['config']['host_memory_gib']:g} GiB of host memory for offload "
+        f"({res['config']['device']} kernels)",
         f"{'strategy':24} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
     ]
     for r in res["strategies"]:

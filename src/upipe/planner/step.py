@@ -26,7 +26,10 @@ What the simulation replaces, and why it does not change the memory:
 - RMSNorm runs as CUDA's fused kernel would (`kernels="cuda"`, the default): the CPU build's
   composite `F.rms_norm` makes and saves fp32 copies of its input, CUDA's `_fused_rms_norm`
   saves only x and the per-row rstd (for the model's norms and the QK-norm inside the
-  fused UPipe op alike). Likewise the attention backward is charged flash-attn 2's in-kernel
+  fused UPipe op alike). The fused UPipe op's fp32 accumulations (y's row chunks, dx)
+  likewise: on CUDA an out_dtype GEMM adds into the fp32 buffer in place
+  (`upipe.gemm.addmm_acc_`), the CPU path first makes an fp32 copy of each operand.
+  Likewise the attention backward is charged flash-attn 2's in-kernel
   buffers (an fp32 dq accumulator, and for GQA dk/dv expanded to the query heads; see
   `StepTracker`), which the CPU kernel does not allocate. Smaller workspaces (cuBLAS, the
   forward's) are left to the planner's reserve.
@@ -94,12 +97,22 @@ def _cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
     return _FusedRMSNorm.apply(input, weight, len(normalized_shape))
 
 
+def _cuda_addmm_acc_(acc, a, b, *, tensor_cores):
+    """The memory of `upipe.gemm.addmm_acc_` on CUDA: the out_dtype GEMM adds a @ b into the
+    fp32 accumulator in place, with no fp32 copy of the operands (which the CPU path
+    makes). Values are not computed."""
+    return acc
+
+
 def _kernels(kind: str):
-    """With kind "cuda", `F.rms_norm` -- the model's norms and the fused UPipe op's QK-norm
-    -- has the memory of CUDA's fused kernel (`_FusedRMSNorm`) within the block."""
-    if kind != "cuda":
-        return contextlib.nullcontext()
-    return mock.patch.object(torch.nn.functional, "rms_norm", _cuda_rms_norm)
+    """With kind "cuda", within the block: `F.rms_norm` -- the model's norms and the fused
+    UPipe op's QK-norm -- has the memory of CUDA's fused kernel (`_FusedRMSNorm`), and the
+    fused UPipe op's fp32 accumulations that of CUDA's out_dtype GEMM (`_cuda_addmm_acc_`)."""
+    stack = contextlib.ExitStack()
+    if kind == "cuda":
+        stack.enter_context(mock.patch.object(torch.nn.functional, "rms_norm", _cuda_rms_norm))
+        stack.enter_context(mock.patch("upipe.attention.staged_layer.addmm_acc_", _cuda_addmm_acc_))
+    return stack
 
 
 def _no_init():
@@ -257,7 +270,9 @@ class StepSimulator:
     ):
         """`model`: a `ModelConfig` to build instead of the preset `cfg.model`. `kernels`:
         "cuda" gives kernels whose CPU version allocates differently their CUDA footprint
-        (RMSNorm); "cpu" runs the CPU build's kernels as `upipe train` does on CPU.
+        (RMSNorm, flash-attn's backward, the out_dtype GEMM) and offloads the block inputs
+        to the host (with the offload feature); "cpu" runs the CPU build's kernels and keeps
+        the block inputs where they are, as `upipe train` does on CPU.
         `sample_loops`: take the shortcut of `upipe.planner.sampled` through the loops whose
         iterations repeat the same memory (two tiles per tile loop; the ring's diagonal
         block, then every rank's off-diagonal blocks twice): the worst rank's peak, at a
@@ -311,7 +326,7 @@ class StepSimulator:
         finally:
             torch.set_default_dtype(default)
         trainer.tracker = mem
-        if cfg.offload:  # upipe train offloads to the host when on CUDA
+        if cfg.offload and self.kernels == "cuda":  # upipe train offloads only from CUDA
             trainer.model.offload = Offloader(n_layers, host=HOST_DEVICE)
         trainer.batch = types.MethodType(_synthetic_batch, trainer)
         # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
