@@ -142,3 +142,41 @@ def dropin_error(rank, world_size, heads_per_stage):
     except ValueError as e:
         return str(e)
     return None
+
+
+def registered_hf_model(rank, world_size, state):
+    """tests/hf_workers' llama (sdpa) made sequence-parallel by
+    `UPipeSPAttentionHF.register_with_transformers`, as ALST's users call DeepSpeed's: the
+    registered module's class, this rank's logits, the loss and the parameter gradients.
+    transformers' "sdpa" entry is restored afterwards (it is process-wide)."""
+    from hf_workers import build_model, make_batch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from upipe.integrations.deepspeed import UPipeSPAttentionHF
+    from upipe.integrations.hf import causal_lm_loss, shard_batch
+
+    _init_deepspeed()
+    group = dist.group.WORLD
+    model = build_model("llama", seed=123, attn_implementation="sdpa").train()
+    model.load_state_dict(state)
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        UPipeSPAttentionHF.register_with_transformers(
+            model_name_or_path=model,
+            core_attn_implementation="sdpa",
+            sequence_parallel_size=world_size,
+            micro_batch_size=2,
+            seq_length_is_variable=True,
+        )
+        import inspect
+
+        registered = inspect.getclosurevars(ALL_ATTENTION_FUNCTIONS["sdpa"]).nonlocals["uattn"]
+        batch = shard_batch(make_batch(), group=group)
+        labels = batch.pop("labels")
+        logits = model(**batch).logits
+        loss = causal_lm_loss(logits, labels, group=group)
+        loss.backward()
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads, type(registered).__name__

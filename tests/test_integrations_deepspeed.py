@@ -46,6 +46,21 @@ def test_alst_dropin_equals_deepspeed(clusters, shape):
     _check(results, shape)
 
 
+def test_register_with_transformers_matches_unmodified_model(clusters):
+    """`UPipeSPAttentionHF.register_with_transformers`, called as ALST's users call
+    DeepSpeed's, makes a Hugging Face model sequence-parallel: its logits, loss and summed
+    gradients equal the unmodified model's on one process."""
+    import hf_workers
+
+    logits, loss, grads, state = hf_workers.reference("llama")
+    results = clusters(2).run(W.registered_hf_model, state)
+    assert all(r[3] == "UPipeSPAttentionHF" for r in results)
+    assert rel_err(torch.cat([r[0] for r in results], dim=1), logits) < TOL32["fwd"]
+    assert abs(results[0][1].item() - loss.item()) / loss.item() < TOL32["fwd"]
+    for n, g in grads.items():
+        assert rel_err(sum(r[2][n] for r in results), g) < TOL32["bwd"], n
+
+
 def test_stages_hold_less_than_deepspeed(clusters):
     """Per-rank peak of the tensors allocated in forward+backward (q, k, v, dout made
     before), 2 ranks, 16 heads: 8 stages of U = 2 heads hold less than DeepSpeed's
