@@ -49,18 +49,17 @@ def intact(rank, world_size, directory):
     return str(path) if path else None, skipped
 
 
-def _poison(trainer: Trainer, bad_step: int) -> None:
-    """From now on, step `bad_step`'s gradients hold a NaN (on every rank, after the
-    reduction): what an overflow in the backward would leave."""
-    forward_backward = trainer.forward_backward
+def _poisoned(forward_backward, bad_step: int):
+    """`Trainer.forward_backward` that leaves a NaN in step `bad_step`'s gradients (on every
+    rank, after the reduction): what an overflow in the backward would leave."""
 
-    def poisoned(step):
-        loss = forward_backward(step)
+    def poisoned(trainer, step):
+        loss = forward_backward(trainer, step)
         if step == bad_step:
             next(trainer.master.parameters()).grad.view(-1)[0] = float("nan")
         return loss
 
-    trainer.forward_backward = poisoned
+    return poisoned
 
 
 def _state(trainer: Trainer) -> list[torch.Tensor]:
@@ -73,7 +72,7 @@ def nan_gradient(rank, world_size, cfg, bad_step: int):
     learning rate, whether the weights and AdamW states after the bad step equal those
     before it, and the last loss; or the message of the error the bad step raised."""
     trainer = Trainer(cfg, torch.device("cpu"))
-    _poison(trainer, bad_step)
+    trainer.forward_backward = _poisoned(Trainer.forward_backward, bad_step).__get__(trainer)
     skipped, lrs, unchanged, loss = [], [], None, None
     for step in range(cfg.steps):
         before = _state(trainer) if step == bad_step else None
@@ -104,3 +103,14 @@ def train_with_file_size_limit(rank, world_size, cfg, limit_bytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, handler)
+
+
+def train_with_nan_gradient(rank, world_size, cfg, bad_step: int):
+    """upipe.train.train(cfg) with a NaN gradient at `bad_step`: its metrics rows."""
+    forward_backward = Trainer.forward_backward
+    Trainer.forward_backward = _poisoned(forward_backward, bad_step)  # until the finally
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return train(cfg)
+    finally:
+        Trainer.forward_backward = forward_backward

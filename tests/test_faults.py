@@ -23,6 +23,7 @@ from fault_workers import (
     signal_one_rank,
     train_quietly,
     train_with_file_size_limit,
+    train_with_nan_gradient,
 )
 from train_workers import small_config
 
@@ -30,6 +31,7 @@ from upipe.cli import main
 from upipe.launch import DistributedError, LocalCluster, RankFailure
 from upipe.train.checkpointing import verify_checkpoint
 from upipe.train.data import PackedTokens, check_corpus
+from upipe.train.loop import summary
 from upipe.train.outputs import check_outputs, read_metrics
 
 STEP2, STEP4 = "step_00000002", "step_00000004"
@@ -189,6 +191,22 @@ def test_skip_nonfinite_steps_leaves_weights_and_optimizer_as_they_were(clusters
     assert res["unchanged"] is True
     assert res["lrs"] == pytest.approx([cfg.lr / 3, 2 * cfg.lr / 3, cfg.lr])
     assert 0 < res["last_loss"] < 6
+
+
+def test_skipped_steps_are_null_in_the_metrics_and_counted(clusters, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    cfg = small_config(
+        strategy="upipe", steps=3, skip_nonfinite_steps=True, metrics_file=str(metrics)
+    )
+    rows = clusters(2).run(train_with_nan_gradient, cfg, 1)[0]
+    written = [
+        json.loads(line, parse_constant=_refuse) for line in metrics.read_text().splitlines()
+    ]
+    assert written == rows and [r["loss"] is None for r in rows] == [False, True, False]
+    assert rows[1]["grad_norm"] is None and rows[1]["skipped"].endswith("gradient norm nan")
+    assert summary(rows).endswith(
+        "; skipped 1 step(s) with a non-finite loss or gradient norm: [2]"
+    )
 
 
 def test_nonfinite_loss_on_the_command_line(tmp_path, capsys):

@@ -13,8 +13,8 @@ one line and exit status 2. A run that fails ends with one line saying what happ
 which rank (raised, killed, frozen; `upipe.launch.DistributedError`) and exit status 1;
 the traceback is printed above it only for an error that is not one of upipe's explained
 ones (`EXPLAINED`). Under torchrun each rank dies with its torchrun agent (even on kill -9)
-and prints an explained error as one line; an unexplained one goes to torchrun's summary
-(`torch.distributed.elastic.multiprocessing.errors.record`).
+and prints an explained error as one line; torchrun's summary names the failed ranks with
+their errors and tracebacks (`torch.distributed.elastic.multiprocessing.errors.record`).
 """
 
 from __future__ import annotations
