@@ -6,7 +6,8 @@ u = U / C query heads per device per stage, k kv heads per device per round.
 
 Ulysses: q_BLHd, k_BLGd, v_BLGd --seq_to_head--> [B, S, H/C | G/C, d], local attention,
 out_BShd --head_to_seq--> out_BLHd. Autodiff keeps what the kernel keeps (q, k, v, out in the
-head layout, lse) -- 2(H + G)/C heads over S tokens, plus the exchanges' transients.
+head layout, lse) -- 2(H + G')/C heads over S tokens (G' = max(G, C)), plus the
+exchanges' transients.
 
 UPipe: the same, H / U times on U heads (`upipe.attention.schedule`'s GQA-aware stages, the
 PyTorch op's schedule): per round the round's C*k kv heads are exchanged once, then each of
