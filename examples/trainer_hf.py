@@ -8,10 +8,11 @@ split over the torchrun ranks by upipe (context parallelism).
 The data: paragraphs of a local text file as documents of bytes (no tokenizer, no download).
 `--trainer trainer` packs each batch's documents into one row (transformers'
 `DataCollatorWithFlattening`: position ids restart per document, which upipe masks);
-`--trainer sft` pads them into rows (TRL's collator; padding on the right). The model:
-`--model-dir` (a local Hugging Face directory, with a tokenizer for sft), or a small Llama
-with random weights built from a config. Every step's loss (and the held-out loss at the
-end) go to `--losses` as JSON; the Trainer saves its checkpoint to `--output-dir`.
+`--trainer sft` pads them into rows (TRL's collator; padding on the right); `--trainer
+trainer sft` runs both, one after the other. The model: `--model-dir` (a local Hugging Face
+directory, with a tokenizer for sft), or a small Llama with random weights built from a
+config. Every step's loss (and the held-out loss at the end) go to `--losses` as JSON, by
+trainer; each trainer saves its checkpoint under `--output-dir`/trainer or /sft.
 
 What changes against a plain Trainer script: `apply_context_parallel(model, group=...)`, and
 the trainer class gets `ContextParallelMixin` in front (`upipe.integrations.trainer`).
@@ -73,14 +74,11 @@ def small_model():
     return LlamaForCausalLM(config).float()
 
 
-def train(args) -> dict:
+def train(args, name: str, distributed: bool) -> dict:
+    """Train with the trainer `name` ("trainer" or "sft"); its losses and held-out loss."""
     import datasets
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer
 
-    distributed = "WORLD_SIZE" in os.environ
-    if distributed:  # before TrainingArguments, which would otherwise make the group
-        timeout = datetime.timedelta(seconds=args.timeout)
-        dist.init_process_group("gloo", timeout=timeout)
     if args.model_dir:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     else:
@@ -98,7 +96,7 @@ def train(args) -> dict:
     train_set = datasets.Dataset.from_dict({"input_ids": docs[held_out:]})
     eval_set = datasets.Dataset.from_dict({"input_ids": docs[:held_out]})
     settings = dict(
-        output_dir=args.output_dir,
+        output_dir=os.path.join(args.output_dir, name),
         max_steps=args.steps,
         per_device_train_batch_size=args.batch,
         per_device_eval_batch_size=args.batch,
@@ -117,7 +115,7 @@ def train(args) -> dict:
     if distributed:
         settings.update(ddp_backend="gloo", ddp_timeout=args.timeout)
         settings.update(ddp_find_unused_parameters=False)
-    if args.trainer == "sft":
+    if name == "sft":
         from trl import SFTConfig, SFTTrainer
 
         base = SFTTrainer
@@ -137,8 +135,6 @@ def train(args) -> dict:
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    if distributed:
-        dist.destroy_process_group()
     return {"losses": losses, "eval_loss": eval_loss}
 
 
@@ -152,7 +148,10 @@ def _tokenizer(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer")
+    p.add_argument(
+        "--trainer", nargs="+", choices=("trainer", "sft"), default=["trainer"],
+        help="transformers' Trainer, TRL's SFTTrainer, or both one after the other",
+    )  # fmt: skip
     p.add_argument("--strategy", choices=("upipe", "ulysses", "ring"), default="upipe")
     p.add_argument("--no-context-parallel", dest="context_parallel", action="store_false")
     p.add_argument("--model-dir", help="a local Hugging Face model directory")
@@ -167,7 +166,12 @@ def main():
     p.add_argument("--losses", help="write the losses here (JSON)")
     p.add_argument("--timeout", type=int, default=300, help="process group timeout, seconds")
     args = p.parse_args()
-    result = train(args)
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:  # before TrainingArguments, which would otherwise make the group
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    result = {name: train(args, name, distributed) for name in args.trainer}
+    if distributed:
+        dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result))
         if args.losses:

@@ -1,11 +1,10 @@
 """transformers' Trainer and TRL's SFTTrainer training a model converted by
 apply_context_parallel, launched by torchrun (`examples/trainer_hf.py`): every step's loss,
-the held-out loss and the saved checkpoint equal those of the unmodified model run by the
-same trainer on one process."""
+the held-out loss and the saved checkpoint equal those of the unmodified model trained by
+transformers' Trainer on one process."""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import subprocess
@@ -38,7 +37,7 @@ def model_dir(tmp_path_factory):
 
 
 def _train(model_dir, out: Path, *args, nproc=None):
-    """Run the example (under torchrun with `nproc` ranks); its losses and checkpoint."""
+    """Run the example (under torchrun with `nproc` ranks): {trainer: (losses, checkpoint)}."""
     launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone"]
     launcher += [] if nproc is None else [f"--nproc-per-node={nproc}"]
     cmd = [sys.executable, *launcher, str(EXAMPLE), "--model-dir", str(model_dir)]
@@ -48,30 +47,32 @@ def _train(model_dir, out: Path, *args, nproc=None):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     from transformers import AutoModelForCausalLM
 
-    saved = AutoModelForCausalLM.from_pretrained(out / f"checkpoint-{STEPS}")
-    return json.loads((out / "losses.json").read_text()), saved.state_dict()
+    runs = json.loads((out / "losses.json").read_text())
+    return {
+        name: (run, AutoModelForCausalLM.from_pretrained(out / name / f"checkpoint-{STEPS}"))
+        for name, run in runs.items()
+    }
 
 
-@functools.cache
-def _reference(model_dir, out):
-    return _train(model_dir, Path(out), "--no-context-parallel")
-
-
-@pytest.mark.parametrize("trainer", ["trainer", "sft"])
-def test_losses_and_checkpoint_match_the_unmodified_model(model_dir, tmp_path_factory, trainer):
-    """The reference: the unmodified model under the Trainer on one process. `trainer`:
-    the documents of a batch packed into one row (DataCollatorWithFlattening: the position
-    ids restart per document); `sft`: padded rows (TRL's collator) and TRL's own loss --
-    the same documents, the same mean over their tokens. SGD, so that the weights differ by
-    the gradients' rounding only (AdamW divides by sqrt(v) and lifts it where v is tiny)."""
-    ref, ref_state = _reference(model_dir, str(tmp_path_factory.mktemp("ref")))
-    out = tmp_path_factory.mktemp("cp")
-    got, state = _train(model_dir, out, "--trainer", trainer, nproc=2)
-    assert len(got["losses"]) == len(ref["losses"]) == STEPS
-    for a, b in zip(got["losses"], ref["losses"], strict=True):
-        assert abs(a - b) / b < TOL32["fwd"], (got, ref)
-    assert abs(got["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"] < TOL32["fwd"]
-    # the checkpoint the Trainer saved loads into the unmodified model: the same weights
-    assert state.keys() == ref_state.keys()
-    errors = {n: rel_err(state[n], ref_state[n]) for n in ref_state}
-    assert max(errors.values()) < TOL32["bwd"], errors
+def test_losses_and_checkpoints_match_the_unmodified_model(model_dir, tmp_path_factory):
+    """The reference: the unmodified model under the Trainer on one process. Under
+    torchrun, 2 ranks, UPipe: the Trainer with the documents of a batch packed into one row
+    (DataCollatorWithFlattening: the position ids restart per document), then the
+    SFTTrainer with padded rows (TRL's collator) and TRL's own loss -- the same documents,
+    the same mean over their tokens. SGD, so that the weights differ by the gradients'
+    rounding only (AdamW divides by sqrt(v) and lifts it where v is tiny)."""
+    reference = _train(model_dir, tmp_path_factory.mktemp("ref"), "--no-context-parallel")
+    ref, ref_model = reference["trainer"]
+    ref_state = ref_model.state_dict()
+    runs = _train(model_dir, tmp_path_factory.mktemp("cp"), "--trainer", "trainer", "sft", nproc=2)
+    assert list(runs) == ["trainer", "sft"]
+    for name, (got, model) in runs.items():
+        assert len(got["losses"]) == len(ref["losses"]) == STEPS
+        for a, b in zip(got["losses"], ref["losses"], strict=True):
+            assert abs(a - b) / b < TOL32["fwd"], (name, got, ref)
+        assert abs(got["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"] < TOL32["fwd"], name
+        # the checkpoint the Trainer saved loads into the unmodified model: the same weights
+        state = model.state_dict()
+        assert state.keys() == ref_state.keys()
+        errors = {n: rel_err(state[n], ref_state[n]) for n in ref_state}
+        assert max(errors.values()) < TOL32["bwd"], (name, errors)
