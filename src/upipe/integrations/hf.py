@@ -406,9 +406,9 @@ def causal_lm_loss(logits_BLV, labels_BL, *, group=None, mesh=None):
     return _global_mean(logits_BLV, labels_BL, _sequence_group(group, mesh))
 
 
-def _global_mean(logits_BLV, labels_BL, group):
-    loss_sum = _cross_entropy_sum(logits_BLV, labels_BL)
-    return global_token_mean(loss_sum, count_valid(labels_BL), group)
+def _global_mean(logits_BLV, labels_BL, group, ignore_index=IGNORE_INDEX):
+    loss_sum = _cross_entropy_sum(logits_BLV, labels_BL, ignore_index)
+    return global_token_mean(loss_sum, count_valid(labels_BL, ignore_index), group)
 
 
 def _cross_entropy_sum(logits_BLV, labels_BL, ignore_index=IGNORE_INDEX):
@@ -434,7 +434,7 @@ def _model_loss(
     processes and DDP averages the gradients, so the step's gradient is the global mean's.
     Without: the mean over the whole sequence on every rank (`causal_lm_loss`)."""
     if num_items_in_batch is None:
-        return _global_mean(logits, shift_labels, group)
+        return _global_mean(logits, shift_labels, group, ignore_index)
     loss_sum = _cross_entropy_sum(logits, shift_labels, ignore_index)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss_sum.device)
