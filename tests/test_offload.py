@@ -192,7 +192,8 @@ def test_cuda_calls_in_order(monkeypatch):
     """The stream, event and registration calls the offloader makes on CUDA, with CPU
     tensors and logging stand-ins (the copies themselves are real): every copy on the side
     stream after the compute stream's work, the compute stream waits for an input's copy
-    before its block recomputes (and for the second copy before the first norm's backward), the arena is registered at its exact size and unregistered
+    before its block recomputes (and for the second copy before the first norm's backward),
+    the arena is registered at its exact size and unregistered
     after the side stream is done, before a new arena is made and when the offloader goes."""
     log = []
     compute = _FakeStream("compute", log)
