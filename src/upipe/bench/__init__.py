@@ -18,7 +18,6 @@ only upipe's public API (plus `upipe.launch` and the float64 kernels) is used.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from upipe.bench.layer import UpipeLayer
@@ -253,12 +252,6 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     }
     if not lead:
         return doc
-    say(report.table(rows, skipped, header=header, ref=ref))
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(doc, f, indent=2)
-        say(f"wrote {os.path.abspath(cfg.json)}")
-    if cfg.plot and rows:
-        report.plot(rows, cfg.plot, title=header[: header.index("; peak")])
-        say(f"wrote {os.path.abspath(cfg.plot)}")
+    title = header[: header.index("; peak")]
+    report.publish(doc, skipped, cfg, say, header=header, ref=ref, title=title)
     return doc

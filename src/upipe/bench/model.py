@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
-import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 import upipe
+from upipe.bench import report
 from upipe.bench.peers import TESTED, installed_version
 
 MODEL_METHODS = (
@@ -291,20 +289,7 @@ def drive(run, cfg, methods, tick=lambda text: None) -> list[dict]:
             tick(f"S={S}: round {i + 1}")
         unit = cfg.batch_size * (S // cfg.nproc) * cfg.heads * cfg.head_dim * 4  # [B, L, D] fp32
         for name in names:
-            peaks = measured[name]["peak_bytes_per_rank"]
-            rows.append(
-                {
-                    "seq_len": S,
-                    "method": name,
-                    "peak_bytes_per_rank": peaks,
-                    "peak_mib": max(peaks) / 2**20,
-                    "peak_units_BLD": max(peaks) / unit,
-                    "seconds_per_round": rounds[name],
-                    "median_seconds": statistics.median(rounds[name]),
-                    "rel_err": measured[name]["rel_err"],
-                    "max_rel_err": max(measured[name]["rel_err"].values()),
-                }
-            )
+            rows.append(report.result_row(S, name, measured[name], rounds[name], unit))
     return rows
 
 
@@ -313,7 +298,6 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
     JSON and the plot; returns the document."""
     from tqdm import tqdm
 
-    from upipe.bench import report
     from upipe.bench.run import judge
     from upipe.launch import LocalCluster
 
@@ -357,12 +341,6 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
         },
         "results": rows,
     }
-    say(report.table(rows, skipped, header=header, ref=ref))
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(doc, f, indent=2)
-        say(f"wrote {os.path.abspath(cfg.json)}")
-    if cfg.plot and rows:
-        report.plot(rows, cfg.plot, title=header[: header.index("; one training step")])
-        say(f"wrote {os.path.abspath(cfg.plot)}")
+    title = header[: header.index("; one training step")]
+    report.publish(doc, skipped, cfg, say, header=header, ref=ref, title=title)
     return doc

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import statistics
 import sys
 
 import torch
@@ -106,3 +108,35 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
     for panel in panels:
         panel.ylog = True
     save_plot(path, panels, title=title, size=(11, 4.2), legend_below=True)
+
+
+def result_row(seq_len: int, name: str, measured: dict, seconds: list, unit: int) -> dict:
+    """One method's result at one length: its per-rank peaks (bytes, MiB of the largest, in
+    units of `unit` bytes), the seconds of its interleaved rounds and their median, and its
+    errors vs the reference (`measured`: "peak_bytes_per_rank", "rel_err")."""
+    peaks = measured["peak_bytes_per_rank"]
+    return {
+        "seq_len": seq_len,
+        "method": name,
+        "peak_bytes_per_rank": peaks,
+        "peak_mib": max(peaks) / 2**20,
+        "peak_units_BLD": max(peaks) / unit,
+        "seconds_per_round": seconds,
+        "median_seconds": statistics.median(seconds) if seconds else None,
+        "rel_err": measured["rel_err"],
+        "max_rel_err": max(measured["rel_err"].values()),
+    }
+
+
+def publish(doc: dict, skipped: dict, cfg, say, *, header: str, ref, title: str) -> None:
+    """Print the table of `doc["results"]`, write `cfg.json` (the whole `doc`) and the plot
+    `cfg.plot` if asked, saying where."""
+    rows = doc["results"]
+    say(table(rows, skipped, header=header, ref=ref))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        say(f"wrote {os.path.abspath(cfg.json)}")
+    if cfg.plot and rows:
+        plot(rows, cfg.plot, title=title)
+        say(f"wrote {os.path.abspath(cfg.plot)}")

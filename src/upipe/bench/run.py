@@ -25,7 +25,6 @@ calling the driver itself (`in_process_runner`).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 import traceback
 
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import upipe
+from upipe.bench import report
 from upipe.bench.layer import RESULTS as LAYER_RESULTS
 from upipe.bench.layer import layer_reference, layer_weights
 from upipe.bench.peers import Method
@@ -241,20 +241,7 @@ def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
         elsize = torch.empty((), dtype=getattr(torch, plan.dtype)).element_size()
         unit = plan.B * (S // plan.nproc) * plan.H * plan.d * elsize  # one [B, L, D]
         for name in names:
-            peaks = measured[name]["peak_bytes_per_rank"]
-            rows.append(
-                {
-                    "seq_len": S,
-                    "method": name,
-                    "peak_bytes_per_rank": peaks,
-                    "peak_mib": max(peaks) / 2**20,
-                    "peak_units_BLD": max(peaks) / unit,
-                    "seconds_per_round": rounds[name],
-                    "median_seconds": statistics.median(rounds[name]) if rounds[name] else None,
-                    "rel_err": measured[name]["rel_err"],
-                    "max_rel_err": max(measured[name]["rel_err"].values()),
-                }
-            )
+            rows.append(report.result_row(S, name, measured[name], rounds[name], unit))
     return rows, failed
 
 
