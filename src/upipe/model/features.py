@@ -114,12 +114,13 @@ class _Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_BLD):
+        sink = []  # x's gradient
         if ctx.offload is None:
             (x_BLD,) = ctx.saved_tensors
             x_BLD = x_BLD.detach().requires_grad_()
+            x_BLD.register_post_accumulate_grad_hook(lambda x: sink.append(x.grad))
             with torch.enable_grad():
                 y_BLD = ctx.fn(x_BLD, *ctx.args)
-            dx = [x_BLD]
         else:
             offload, token, index = ctx.offload, ctx.token, ctx.index
 
@@ -129,9 +130,9 @@ class _Checkpoint(torch.autograd.Function):
             # x enters the recomputed graph as a non-leaf (`_Input`), so the graph holds it
             # only where it saves it, and the hooks keep those as promises of `load()`: the
             # device copy is freed as soon as the recomputation is done with it
-            dx, anchor = [], torch.empty(0, requires_grad=True)
+            anchor = torch.empty(0, requires_grad=True)
             with torch.enable_grad():
-                x_BLD = _Input.apply(anchor, load(), dx)
+                x_BLD = _Input.apply(anchor, load(), sink)
                 with _from_host(x_BLD, load):
                     y_BLD = ctx.fn(x_BLD, *ctx.args)
                 del x_BLD
@@ -140,7 +141,7 @@ class _Checkpoint(torch.autograd.Function):
         torch.autograd.backward(y_edge, dy_BLD)
         if ctx.offload is not None:
             ctx.offload.release(ctx.token, ctx.index)
-        (dx_BLD,) = [x.grad for x in dx] if ctx.offload is None else dx
+        dx_BLD = sink[0] if sink else None  # None: y did not depend on x
         return (dx_BLD, None, None, None) + (None,) * len(ctx.args)
 
 
