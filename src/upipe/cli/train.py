@@ -62,7 +62,7 @@ def add_command(sub) -> None:
 OPTION_GROUPS = {
     "model and parallelism": (
         "model", "strategy", "nproc", "dp", "ring", "heads_per_stage", "device", "fsdp",
-        "timeout",
+        "fsdp_offload", "timeout",
     ),
     "data": (
         "data", "skip_bad_records", "tokenizer", "seq_len", "batch_size", "document_mask", "seed",
@@ -213,7 +213,8 @@ def _run_torchrun(cfg: TrainConfig):
     if cfg.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # --fsdp-offload: the gradient norm, checkpoints and --save-hf reduce CPU tensors
+        backend = "cuda:nccl,cpu:gloo" if cfg.fsdp_offload else "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))

@@ -94,6 +94,10 @@ class TrainConfig:
     --activation-checkpoint)."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer states over all ranks (FSDP2)."""
+    fsdp_offload: bool = False
+    """With --fsdp: keep the sharded parameters, gradients and optimizer states in host
+    memory (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU); the device holds only
+    the units running."""
     device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
     """Device of each rank (cuda: one GPU per process, NCCL; launch with torchrun)."""
     timeout: float = 600.0
@@ -219,6 +223,11 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
     if cfg.offload and not cfg.activation_checkpoint:
         return (
             "--offload keeps the checkpointed block inputs on the host; add --activation-checkpoint"
+        )
+    if cfg.fsdp_offload and not cfg.fsdp:
+        return (
+            "--fsdp-offload keeps FSDP2's sharded parameters, gradients and optimizer states "
+            "on the host; add --fsdp"
         )
     if cfg.resume and not cfg.checkpoint_dir:
         return "--resume needs --checkpoint-dir"

@@ -86,6 +86,9 @@ class Trainer:
     that dtype. With FSDP2 the model's sharded parameters are the masters and its mixed
     precision policy casts them for compute; without, `master` is a separate module
     (`MasterWeights`) when the dtypes differ, and the model itself when they agree.
+
+    With `cfg.fsdp_offload` the sharded masters, their gradients and the AdamW states are
+    host memory (`apply_fsdp(offload=True)`), and the update runs on the CPU.
     """
 
     def __init__(self, cfg: TrainConfig, device: torch.device, *, mesh=None, model_config=None):
@@ -120,8 +123,10 @@ class Trainer:
         apply_memory_features(model, cfg.features(), device)
         self.masters = None
         if cfg.fsdp:
-            apply_fsdp(model, self.mesh, param_dtype=compute if compute != master else None)
-            model.to_empty(device=device)
+            mixed = compute if compute != master else None
+            apply_fsdp(model, self.mesh, param_dtype=mixed, offload=cfg.fsdp_offload)
+            # offloaded shards are materialised on the host (FSDP2 requires the CPU there)
+            model.to_empty(device="cpu" if cfg.fsdp_offload else device)
         model.init_weights(cfg.seed)
         if cfg.init_from_hf:  # into the masters (sharded: each rank reads its shards)
             load_hf_weights(model, cfg.init_from_hf)
@@ -269,12 +274,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss per valid token over the held-out batches of every rank."""
+        """Mean loss per valid token over the held-out batches of every rank.
+
+        With FSDP the root unit is resharded at the end: FSDP2 keeps the root's gathered
+        parameters after a forward (for the backward that would follow), and until the next
+        step they would stand in for the masters -- the compute-dtype copies, which
+        `save_hf_checkpoint` would then have written after a final evaluation."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for index in self.eval_batches():
             for ids, labels, pos, cu_seqlens in self.batch(index, held_out=True):
                 sums[0] += self.model(ids, pos, labels, cu_seqlens=cu_seqlens).double()
                 sums[1] += count_valid(labels).double()
+        if self.cfg.fsdp:
+            self.model.reshard()
         dist.all_reduce(sums)
         return (sums[0] / sums[1]).item()
 
@@ -293,7 +305,13 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         """One training step, measured: loss, gradient norm, seconds, this rank's peak
-        memory, and "skipped": None, or why the update was skipped. A NaN or infinite loss
+        memory, and "skipped": None, or why the update was skipped.
+
+        Memory: "peak_memory_bytes" is the device's (CUDA: `max_memory_allocated` over the
+        step; CPU: the live tensor storages, persistent ones included -- there the device is
+        the host, so offloaded state counts too). "host_state_bytes": with --fsdp-offload,
+        the parameters, gradients and optimizer states held in host memory (after the
+        backward, all gradients present; 0 without offload). A NaN or infinite loss
         or gradient norm raises NonFiniteError before the update, naming the step; with
         `cfg.skip_nonfinite_steps` the update is skipped instead (`skip_update`). One host
         read of the norm per step (the loss is read once per step already)."""
@@ -308,6 +326,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         with contextlib.nullcontext() if cuda else MemoryTracker() as mem:
             loss = self.forward_backward(step)
+            host = sum(self.state_bytes().values()) if self.cfg.fsdp_offload else 0
             grad_norm = _full(self.clip_gradients()).item()
             skipped = self._nonfinite(step, loss, grad_norm)
             if skipped:
@@ -325,6 +344,7 @@ class Trainer:
             "skipped": skipped,
             "seconds": time.perf_counter() - t0,
             "peak_memory_bytes": peak,
+            "host_state_bytes": host,
         }
 
     # checkpoints: torch distributed checkpoint, one directory per step (`checkpointing`)
@@ -398,8 +418,9 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     for step in range(start, cfg.steps):
         lr = trainer.lr
         m = trainer.step(step)
-        peaks = [None] * world
-        dist.all_gather_object(peaks, m["peak_memory_bytes"])
+        memory = [None] * world
+        dist.all_gather_object(memory, (m["peak_memory_bytes"], m["host_state_bytes"]))
+        peaks = [peak for peak, _ in memory]
         row = {
             "step": step + 1,
             "loss": None if m["skipped"] else m["loss"],
@@ -412,6 +433,8 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
             "strategy": cfg.strategy,
             "world_size": world,
         }
+        if cfg.fsdp_offload:
+            row["host_state_bytes"] = max(host for _, host in memory)
         if m["skipped"]:
             row["skipped"] = m["skipped"]
         last = step + 1 == cfg.steps

@@ -125,7 +125,9 @@ def apply_memory_features(model: CausalLM, features: MemoryFeatures, device) -> 
     return model
 
 
-def apply_fsdp(model: CausalLM, mesh, *, param_dtype: torch.dtype | None = None) -> CausalLM:
+def apply_fsdp(
+    model: CausalLM, mesh, *, param_dtype: torch.dtype | None = None, offload: bool = False
+) -> CausalLM:
     """FSDP2 over every rank of `mesh` (data x context): each block is one unit, the root
     holds embeddings, final norm and head. Parameters, gradients and optimizer states are
     sharded across the context-parallel ranks too. Gradients are *summed* over ranks (divide
@@ -135,15 +137,53 @@ def apply_fsdp(model: CausalLM, mesh, *, param_dtype: torch.dtype | None = None)
     the sharded parameters (the optimizer's masters), their gradients and the AdamW states
     keep the parameters' dtype (fp32); each unit's parameters are all-gathered and cast to
     `param_dtype` for its forward and backward only (`MixedPrecisionPolicy(param_dtype,
-    reduce_dtype=fp32)`), and the gradients are reduce-scattered and accumulated in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    reduce_dtype=fp32)`), and the gradients are reduce-scattered and accumulated in fp32.
+
+    `offload`: FSDP2's `CPUOffloadPolicy` for every unit: the sharded parameters (the
+    masters), their gradients and the optimizer states live in host memory; the device holds
+    only what a running unit needs. The caller materialises the sharded parameters on the
+    CPU (`model.to_empty(device="cpu")`: FSDP2 refuses others). What happens on CUDA (torch
+    2.13, `torch/distributed/fsdp/_fully_shard/`), per unit:
+    - forward and backward: each sharded parameter is copied host-to-device
+      (`FSDPParam.all_gather_inputs`: `.to(device, non_blocking=True)`, a full-precision
+      device copy of the shard, then the cast to `param_dtype`), in the all-gather copy-in
+      stream, into the all-gather; the unsharded parameters are freed after the unit as
+      without offload. (Offload turns off the fused foreach cast-and-copy of
+      `_get_param_all_gather_inputs`: one copy and one cast per parameter.)
+    - after the reduce-scatter (`_fsdp_collectives.foreach_reduce`, in the reduce-scatter
+      stream) each gradient shard is copied device-to-host, into pinned memory with
+      `non_blocking=True` when the gradient is new (not accumulated) and no
+      post-accumulate-grad hook is set, else synchronously (the CPU waits). The device's
+      reduce-scatter output is released right after the copy is queued (later work in
+      that stream runs after it); the CPU waits for each pending copy's event at the end
+      of backward (`FSDPParamGroup.finalize_backward`), before the optimizer reads the
+      gradient. With gradient accumulation the later micro-batches copy synchronously and
+      add into the host gradient on the CPU.
+    - `clip_grad_norm_` and AdamW then run on CPU tensors (AdamW's per-parameter loop:
+      foreach and fused need device tensors): the update costs host memory bandwidth, no
+      device memory. The norm's reduction over ranks is a collective on CPU tensors, which
+      needs a CPU backend next to NCCL (`init_process_group("cuda:nccl,cpu:gloo")`, as
+      `upipe train` does with --fsdp-offload); so do DCP's checkpoints and
+      `full_tensor()` (--save-hf), which read and write the host shards.
+    `pin_memory` is set only on CUDA: pinned buffers (the parameter shards, each gradient's
+    copy) come from CUDA's caching host allocator, which rounds each up to a power of two
+    and keeps freed blocks for reuse; AdamW's states (`zeros_like` of a shard) are pageable.
+    On the CPU (gloo) the policy's copies are to the same device (no copy), and the cast
+    runs per parameter: the same values as without offload (`tests/test_fsdp_offload.py`)."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mp = MixedPrecisionPolicy()
     if param_dtype is not None:
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else None
     flat = flatten_mesh(mesh, "fsdp") if mesh.ndim > 1 else mesh
     for unit in [*model.model.layers, model]:
-        fully_shard(unit, mesh=flat, mp_policy=mp)
+        fully_shard(unit, mesh=flat, mp_policy=mp, offload_policy=policy or OffloadPolicy())
     for unit in [*model.model.layers, model]:  # the settings are per unit
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
