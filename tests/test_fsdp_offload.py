@@ -80,3 +80,48 @@ def test_offload_needs_fsdp():
 
     problem = validate(small_config(fsdp_offload=True), 2)
     assert problem is not None and "add --fsdp" in problem
+
+
+def test_planner_counts_the_offloaded_state_as_host_memory():
+    """`StepSimulator` (CUDA memory) of FSDP2 with fp32 masters and bf16 compute on 2 ranks,
+    with and without --fsdp-offload. Let n be rank 0's shard of the parameters (FSDP pads
+    uneven shards to the first rank's size) and t the number of parameter tensors:
+    - the masters and AdamW's two moments, 12 n bytes, and AdamW's 4-byte step counters, 4 t,
+      leave the device between steps and are host memory;
+    - the device peak (the backward's first op: no gradient yet, no shard being copied
+      in) drops by exactly that;
+    - the optimizer phase allocates nothing on the device, and all it held without offload
+      -- the same 12 n + 4 t, the 4 n bytes of gradients and AdamW's temporaries -- is the
+      host peak with offload."""
+    from upipe.model import CausalLM, get_config
+    from upipe.planner.step import StepSimulator
+
+    with torch.device("meta"):
+        shapes = [p.shape for p in CausalLM(get_config("tiny")).parameters()]
+    n = sum(-(-s[0] // 2) * s[1:].numel() for s in shapes)
+    state = 12 * n + 4 * len(shapes)
+    cfg = small_config(strategy="upipe", nproc=2, fsdp=True, dtype="bfloat16")
+    steps = {}
+    for offload in (False, True):
+        with StepSimulator(dataclasses.replace(cfg, fsdp_offload=offload), 2) as sim:
+            steps[offload] = [sim.step(S) for S in (512, 2048)]
+    for off, on in zip(steps[False], steps[True], strict=True):
+        assert off.host_peak_bytes == 0
+        assert off.persistent_bytes - on.persistent_bytes == state
+        assert off.peak_bytes - on.peak_bytes == state
+        assert on.phase_bytes["optimizer"] == on.persistent_bytes
+        assert on.host_peak_bytes == off.phase_bytes["optimizer"] - on.persistent_bytes
+        assert on.host_peak_bytes >= state + 4 * n
+
+
+def test_simulated_offload_step_equals_a_real_one_on_cpu(clusters):
+    """On the CPU the offloaded state is in the same memory as everything else (the device
+    is the host): the simulator with CPU kernels and a real 2-rank step with --fsdp-offload
+    count the same bytes, within 2% (`plan_workers.assert_simulated_peak_equals_real`)."""
+    from plan_workers import assert_simulated_peak_equals_real
+
+    cfg = small_config(
+        strategy="upipe", nproc=2, fsdp=True, fsdp_offload=True, dtype="bfloat16",
+        activation_checkpoint=True,
+    )  # fmt: skip
+    assert_simulated_peak_equals_real(clusters, cfg)

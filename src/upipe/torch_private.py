@@ -11,11 +11,14 @@ from __future__ import annotations
 import torch
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 __all__ = [
     "FakeTensor",
     "FakeTensorMode",
+    "FSDPParam",
+    "ShardedState",
     "TorchDispatchMode",
     "current_graph_task_id",
     "flatten_mesh",
@@ -28,6 +31,9 @@ __all__ = [
 # tensors without memory; torch exposes fake tensors only under torch._subclasses.
 # TorchDispatchMode / is_traceable_wrapper_subclass: the memory tracker sees every operator
 # (the documented way to write a dispatch mode, still in a private module path).
+# FSDPParam / ShardedState: the planner gives FSDP2's CPU offload its CUDA memory by wrapping
+# `FSDPParam.all_gather_inputs` (the host-to-device copy of each shard, which a CPU run does
+# not make; `upipe.planner.step._h2d_all_gather_inputs`): FSDP2 has no hook there.
 
 
 def flatten_mesh(mesh, name: str | None = None):

@@ -19,6 +19,19 @@ What the simulation replaces, and why it does not change the memory:
 - Activation offload keeps the checkpointed block inputs on the *meta* device: the
   offloader's host arena (`upipe.model.offload`, allocated at its exact size on CUDA too) is
   counted apart as host bytes (`host_peak_bytes`), the rest is device memory.
+- FSDP2's CPU offload (`--fsdp-offload`) keeps its tensors on the fake CPU like everything
+  else -- FSDP2 requires offloaded shards on a "cpu" device, and the optimizer needs
+  parameters, gradients and states on one device -- and the tracker counts them as host
+  memory (`StepTracker.to_host`, `StepTracker.on_host`): the sharded parameters from the
+  start, the AdamW states and everything else the optimizer phase allocates (clipping and
+  AdamW run on the host), and each gradient shard from its device-to-host copy on. The two
+  copies CUDA makes and the CPU does not (there `.to(device)` and `.to("cpu")` return the
+  tensor itself) are made here: each shard's host-to-device copy before its unit's
+  all-gather (`_h2d_all_gather_inputs`, in `_kernels("cuda")`), and each reduce-scattered
+  gradient shard's copy to the host, after which the device's reduce-scatter output is freed
+  (`_grad_to_host`, a post-accumulate-grad hook, which FSDP2 calls right after it sets the
+  gradient). Pinned host buffers are counted at their size (CUDA's caching host allocator
+  rounds each up to a power of two: up to 2x for some shards, not counted).
 - Data-dependent scalars have no value under fake tensors; `StepTracker` answers them:
   `.item()` gives 1 (the loss printed, the token count checked > 0, AdamW's step count in
   its bias correction: none of them shapes a tensor). The step has no other
@@ -48,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 import weakref
 from unittest import mock
@@ -63,6 +77,8 @@ from upipe.planner.sampled import sampled_loops
 from upipe.torch_private import (
     FakeTensor,
     FakeTensorMode,
+    FSDPParam,
+    ShardedState,
     current_graph_task_id,
     flatten_mesh,
     unset_fake_temporarily,
@@ -107,12 +123,62 @@ def _cuda_addmm_acc_(acc, a, b, *, tensor_cores):
 def _kernels(kind: str):
     """With kind "cuda", within the block: `F.rms_norm` -- the model's norms and the fused
     UPipe op's QK-norm -- has the memory of CUDA's fused kernel (`_FusedRMSNorm`), and the
-    fused UPipe op's fp32 accumulations that of CUDA's out_dtype GEMM (`_cuda_addmm_acc_`)."""
+    fused UPipe op's fp32 accumulations that of CUDA's out_dtype GEMM (`_cuda_addmm_acc_`),
+    and FSDP2's offloaded shards are copied to the device before their all-gather
+    (`_h2d_all_gather_inputs`)."""
     stack = contextlib.ExitStack()
     if kind == "cuda":
         stack.enter_context(mock.patch.object(torch.nn.functional, "rms_norm", _cuda_rms_norm))
         stack.enter_context(mock.patch("upipe.attention.staged_layer.addmm_acc_", _cuda_addmm_acc_))
+        inputs = property(_h2d_all_gather_inputs)
+        stack.enter_context(mock.patch.object(FSDPParam, "all_gather_inputs", inputs))
     return stack
+
+
+_ALL_GATHER_INPUTS = FSDPParam.all_gather_inputs.fget
+
+
+def _h2d_all_gather_inputs(fsdp_param) -> list[torch.Tensor]:
+    """`FSDPParam.all_gather_inputs` with the memory it has on CUDA under CPUOffloadPolicy:
+    the host shard is first copied to the device (`.to(device, non_blocking=True)`, which
+    returns the shard itself on the CPU), then cast to the compute dtype if that differs;
+    the copy lives until the all-gather has read it."""
+    if not fsdp_param.offload_to_cpu or fsdp_param.sharded_state != ShardedState.SHARDED:
+        return _ALL_GATHER_INPUTS(fsdp_param)
+    host = fsdp_param._sharded_param_data
+    fsdp_param._sharded_param_data = host.clone()  # the device copy
+    try:
+        return _ALL_GATHER_INPUTS(fsdp_param)
+    finally:
+        fsdp_param._sharded_param_data = host
+
+
+def _offload_fsdp_state(trainer, mem: StepTracker) -> None:
+    """Count FSDP2's offloaded state as host memory as it is on CUDA (module doc): the
+    sharded parameters from now on, each gradient shard from its copy to the host on, and
+    whatever the optimizer phase allocates (AdamW's states, clipping's norms)."""
+    params = list(trainer.master.parameters())
+    mem.to_host([p.to_local() for p in params])
+    for p in params:
+        p.register_post_accumulate_grad_hook(functools.partial(_grad_to_host, mem))
+    mem.optimizer_on_host = True
+
+
+def _grad_to_host(mem: StepTracker, p: torch.Tensor) -> None:
+    """FSDP2's device-to-host copy of `p`'s new gradient shard (on CUDA a copy of a view of
+    the reduce-scatter output, which is freed once each of its unit's shards is copied; on
+    the CPU the view itself): a host copy replaces it. A gradient accumulated into (a later
+    micro-batch) is on the host already."""
+    from torch.distributed.tensor import DTensor
+
+    grad = p.grad
+    if mem.is_host(grad.to_local()):
+        return
+    with mem.on_host():
+        local = grad.to_local().clone()
+    p.grad = DTensor.from_local(
+        local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()
+    )
 
 
 def _no_init():
@@ -137,6 +203,9 @@ class StepTracker(MemoryTracker):
     The CPU kernel that runs here has neither, but on a GPU they are real memory at long
     context.
 
+    Host memory: storages on `HOST_DEVICE`, those passed to `to_host`, and those allocated
+    inside `on_host()` (with `optimizer_on_host`, `_measure` runs the optimizer phase there).
+
     `fake`: the step runs under `FakeTensorMode`; the tracker then also answers the
     data-dependent operators (see the module doc) and runs operators on real tensors only
     (the device mesh's rank tables) for real, uncounted. (One dispatch mode doing both costs
@@ -152,6 +221,8 @@ class StepTracker(MemoryTracker):
         self.phase_peak_bytes: dict[str, int] = {}
         self.host_bytes = self.host_peak_bytes = 0
         self._host: dict[int, int] = {}
+        self._on_host = False
+        self.optimizer_on_host = False
         self._op = None
         self._what: dict[int, str] | None = {} if explain else None
         self.at_peak: list[tuple[int, str]] = []
@@ -201,17 +272,40 @@ class StepTracker(MemoryTracker):
     def _free_host(self, key: int) -> None:
         self.host_bytes -= self._host.pop(key, 0)
 
+    def _add_host(self, storage) -> None:
+        key = storage._cdata
+        self._host[key] = storage.nbytes()
+        weakref.finalize(storage, self._free_host, key)
+        self.host_bytes += self._host[key]
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+
+    def to_host(self, tensors) -> None:
+        """Count the storages of `tensors` (counted as device memory so far) as host memory
+        from now on."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            self.current_bytes -= self._live.pop(storage._cdata, 0)
+            self._add_host(storage)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata in self._host
+
+    @contextlib.contextmanager
+    def on_host(self, on: bool = True):
+        """Within the block (if `on`), what is allocated is host memory."""
+        before, self._on_host = self._on_host, on or self._on_host
+        try:
+            yield
+        finally:
+            self._on_host = before
+
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._live or key in self._host:
             return
-        if t.device.type == HOST_DEVICE:
-            nbytes = storage.nbytes()
-            self._host[key] = nbytes
-            weakref.finalize(storage, self._free_host, key)
-            self.host_bytes += nbytes
-            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        if self._on_host or t.device.type == HOST_DEVICE:
+            self._add_host(storage)
             return
         if self._what is not None:
             self._what[key] = f"{self._op} {list(t.shape)} {str(t.dtype)[6:]}"
@@ -230,7 +324,8 @@ class StepMemory:
     """Live before the step: parameters, optimizer states (this rank's shards under FSDP)
     and any buffer kept between steps."""
     host_peak_bytes: int
-    """Peak of the offloaded copies in host memory."""
+    """Peak of host memory: the offloaded block inputs, and with fsdp_offload the sharded
+    parameters, gradients and optimizer states (and the optimizer's temporaries)."""
     phase_bytes: dict[str, int]
     """The device peak reached in each phase (forward, backward, optimizer)."""
     at_peak: list[tuple[int, str]] = dataclasses.field(default_factory=list)
@@ -326,6 +421,8 @@ class StepSimulator:
         finally:
             torch.set_default_dtype(default)
         trainer.tracker = mem
+        if cfg.fsdp_offload and self.kernels == "cuda":  # (on the CPU all of it is the host)
+            _offload_fsdp_state(trainer, mem)
         if cfg.offload and self.kernels == "cuda":  # upipe train offloads only from CUDA
             trainer.model.offload = Offloader(n_layers, host=HOST_DEVICE)
         trainer.batch = types.MethodType(_synthetic_batch, trainer)
@@ -404,7 +501,9 @@ def _measure(trainer, seq_len: int, explain: bool = False) -> StepMemory:
     with mem:
         trainer.forward_backward(0)
         mem.phase = "optimizer"
-        trainer.optimizer_step()
+        mem.phase_peak_bytes["optimizer"] = mem.current_bytes  # (if it allocates nothing)
+        with mem.on_host(mem.optimizer_on_host):
+            trainer.optimizer_step()
     mem._what = None
     return StepMemory(
         seq_len=seq_len,
