@@ -1,8 +1,10 @@
 """`upipe plan`: the planner's search with a progress bar, a table, JSON and a plot (the
-search itself is `upipe.planner.plan.plan`)."""
+search itself is `upipe.planner.plan.plan`); with --recommend, the fastest configuration
+that fits at --seq-len and its torchrun command (`upipe.planner.recommend`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -10,6 +12,7 @@ from tqdm import tqdm
 
 from upipe.cli.options import add_dataclass_options, config_from_args
 from upipe.planner import plan as planner
+from upipe.planner import recommend as recommender
 
 
 def add_command(sub) -> None:
@@ -20,11 +23,15 @@ def add_command(sub) -> None:
         description=planner.__doc__.split("\n\n")[0],
     )
     add_dataclass_options(parser, planner.PlanConfig)
+    add_dataclass_options(parser.add_argument_group("recommend"), recommender.RecommendConfig)
     parser.set_defaults(handler=_handle)
 
 
 def _handle(ns, parser) -> int:
     pc = config_from_args(planner.PlanConfig, ns)
+    rc = config_from_args(recommender.RecommendConfig, ns)
+    if rc.recommend or rc.seq_len is not None:
+        return _recommend(pc, rc, parser)
     if pc.gpus < 1 or pc.granularity < 1 or pc.gpu_memory_gib <= 0:
         parser.error("--gpus, --granularity and --gpu-memory-gib must be positive")
     if pc.plot and importlib.util.find_spec("matplotlib") is None:
@@ -47,4 +54,30 @@ def _handle(ns, parser) -> int:
             json.dump(res, f, indent=1)
     if pc.plot:
         planner.plot(res, pc.plot)
+    return 0
+
+
+def _recommend(pc, rc, parser) -> int:
+    if not rc.recommend:
+        parser.error("--seq-len is the length --recommend plans for: add --recommend")
+    if pc.plot:
+        parser.error("--plot draws the longest-context search: leave it out with --recommend")
+    if pc.features == planner.PlanConfig().features:  # not given: the grid
+        pc = dataclasses.replace(pc, features=recommender.GRID)
+    bar = tqdm(desc="recommend", unit="candidate")
+
+    def progress(label):
+        bar.set_postfix_str(label)
+        bar.update()
+
+    try:
+        res = recommender.recommend(pc, rc, progress)
+    except ValueError as e:
+        bar.close()
+        parser.error(str(e))
+    bar.close()
+    print(recommender.table(res))
+    if pc.json:
+        with open(pc.json, "w") as f:
+            json.dump(res, f, indent=1)
     return 0

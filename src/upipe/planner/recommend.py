@@ -1,0 +1,206 @@
+"""`upipe plan --recommend`: the fastest configuration that fits at one sequence length, and
+the command that trains it.
+
+For every candidate of the planner (`plan.candidates`: strategies x heads per stage x memory
+feature sets, by default `GRID`) at `--seq-len` N:
+- does it fit: one simulated step at N (`StepSimulator`, as `upipe plan` searches: loops cut
+  short, depth extrapolated), device peak <= GPU memory - reserve and host bytes <= the host
+  budget;
+- how fast: the step's exact counts (`timing.count_step`) through the time model of the
+  chosen GPU (`timing.predict`); tokens/s = B * N * dp / step time.
+The pick is the fitting candidate with the shortest predicted step (never one that does not
+fit); its `torchrun ... -m upipe.train ...` command carries every option that differs from
+`upipe train`'s defaults, plus the ones a reader looks for (device, model, strategy, length,
+dtype, FSDP). Candidates run `pc.jobs` at a time, each in a process of its own (the
+simulator needs the process's default process group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+from upipe.model import get_config
+from upipe.planner import plan
+from upipe.planner.step import StepSimulator
+from upipe.planner.timing import HARDWARE, count_step, get_hardware, predict
+from upipe.train.config import TrainConfig, padded_length, validate
+
+GiB = plan.GiB
+# memory feature sets tried by default (as --features): from none to all, each trading time
+# (recomputation, host copies) for memory
+GRID = ("off", "mlp+loss", "loss+recompute", "mlp+loss+recompute", "loss+recompute+offload", "on")
+# options the printed command always names, first, in this order
+SHOWN = ("device", "model", "strategy", "seq_len", "dtype", "fsdp")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RecommendConfig:
+    recommend: bool = False
+    """Recommend the fastest configuration that fits at --seq-len: simulate every strategy x
+    heads per stage x memory feature set (--features if given, else off, mlp+loss,
+    loss+recompute, mlp+loss+recompute, loss+recompute+offload, on), predict its step time
+    on --hardware, print the table and the torchrun command of the pick."""
+    seq_len: int | None = None
+    """Tokens per sequence for --recommend."""
+    hardware: str = dataclasses.field(default="h100", metadata={"choices": tuple(HARDWARE)})
+    """GPU whose rates the time model uses (--recommend; see upipe.planner.timing)."""
+
+
+def _model(pc: plan.PlanConfig):
+    model = get_config(pc.model)
+    if pc.model_config:
+        with open(pc.model_config) as f:
+            model = dataclasses.replace(model, **json.load(f))
+    return model
+
+
+def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
+    """Every candidate of `pc` at `rc.seq_len` (fits?, counts, predicted time), the pick and
+    its command, JSON-ready. `progress(label)` is called after each candidate."""
+    hw, N = get_hardware(rc.hardware), rc.seq_len
+    if N is None or N < 1:
+        raise ValueError(f"--recommend needs --seq-len N >= 1 (tokens per sequence), got {N}")
+    if pc.dtype != "bfloat16":
+        raise ValueError(
+            f"--recommend times bf16 compute (the presets' rates are bf16 GEMM and flash "
+            f"attention): use --dtype bfloat16, not {pc.dtype}"
+        )
+    budget, host_budget = (pc.gpu_memory_gib - pc.reserve_gib) * GiB, pc.host_memory_gib * GiB
+    if budget <= 0 or not host_budget > 0 or pc.jobs < 1:
+        raise ValueError(
+            f"need --gpu-memory-gib ({pc.gpu_memory_gib}) > --reserve-gib ({pc.reserve_gib}), "
+            f"--host-memory-gib ({pc.host_memory_gib}) > 0 and --jobs ({pc.jobs}) >= 1"
+        )
+    model = _model(pc)
+    rows, todo = [], []
+    for label, kw, problem in plan.candidates(pc, model):
+        problem = problem or validate(
+            TrainConfig(**{**kw, "seq_len": N}, plot=None), pc.gpus, model
+        )
+        rows.append({"strategy": label, "train_config": kw, "problem": problem})
+        if not problem:
+            todo.append(rows[-1])
+    args = (pc, model, N, budget, host_budget)
+    if pc.jobs == 1 or len(todo) < 2:
+        for row in todo:
+            row.update(_evaluate(*args, row["train_config"]))
+            if progress:
+                progress(row["strategy"])
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        workers = min(pc.jobs, len(todo))
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            futures = {ex.submit(_evaluate, *args, row["train_config"]): row for row in todo}
+            for future in as_completed(futures):
+                futures[future].update(future.result())
+                if progress:
+                    progress(futures[future]["strategy"])
+    for row in todo:
+        cfg = TrainConfig(**row["train_config"], plot=None)
+        row["seconds"] = predict(row["counts"], hw)
+        dp = cfg.degrees(pc.gpus)[0]
+        row["tokens_per_s"] = cfg.batch_size * N * dp / row["seconds"]["step"]
+    todo.sort(key=lambda r: (not r["fits"], r["seconds"]["step"]))
+    rows = todo + [r for r in rows if r["problem"]]
+    pick = next((r for r in todo if r["fits"]), None)
+    out = {
+        "config": dataclasses.asdict(pc),
+        "seq_len": N,
+        "hardware": dataclasses.asdict(hw),
+        "budget_bytes": budget,
+        "candidates": rows,
+        "pick": pick and pick["strategy"],
+        "command": pick and torchrun_command(pick["train_config"], pc.gpus, N, hw.gpus_per_node),
+    }
+    return out
+
+
+def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) -> dict:
+    """One candidate at N: its memory (fits, and why not) and its exact counts."""
+    start = time.perf_counter()
+    cfg = TrainConfig(**kw, plot=None)
+    depths = plan.EXTRAPOLATION_DEPTHS if pc.extrapolate else None
+    with StepSimulator(cfg, pc.gpus, model, depths=depths, kernels=pc.device) as sim:
+        m = sim.step(N, explain=True)
+    too_much = []
+    if m.peak_bytes > budget:
+        too_much.append(f"device peak {m.peak_bytes / GiB:.1f} > {budget / GiB:g} GiB")
+    if m.host_peak_bytes > host_budget:
+        too_much.append(f"host {m.host_peak_bytes / GiB:.1f} > {host_budget / GiB:g} GiB")
+    padded = padded_length(dataclasses.replace(cfg, seq_len=N), pc.gpus)
+    # the planner's shortest searched length (a valid length of every candidate) as the unit
+    counts = count_step(
+        cfg, pc.gpus, model, padded, unit=kw["seq_len"], depths=plan.EXTRAPOLATION_DEPTHS,
+        kernels=pc.device,
+    )  # fmt: skip
+    return {
+        "fits": not too_much,
+        "reason": "; ".join(too_much),
+        "peak_bytes": m.peak_bytes,
+        "host_bytes": m.host_peak_bytes,
+        "counts": counts,
+        "simulated_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def torchrun_command(kw: dict, gpus: int, seq_len: int, gpus_per_node: int) -> str:
+    """The command that trains candidate `kw` (TrainConfig fields) on `gpus` CUDA GPUs at
+    `seq_len` tokens: every option that differs from `upipe train`'s default, the `SHOWN`
+    ones first. Beyond one node: torchrun's c10d rendezvous, run on every node."""
+    cfg = TrainConfig(**{**kw, "seq_len": seq_len, "device": "cuda"})
+    default = TrainConfig()
+    names = [*SHOWN, *(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SHOWN)]
+    words = []
+    for name in names:
+        value = getattr(cfg, name)
+        if name == "nproc" or (name not in SHOWN and value == getattr(default, name)):
+            continue  # (--nproc: torchrun's --nproc-per-node decides)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            words += [flag, str(value)]
+    if gpus <= gpus_per_node:
+        launch = f"torchrun --nproc-per-node {gpus}"
+    else:
+        nodes = math.ceil(gpus / gpus_per_node)
+        launch = (
+            f"torchrun --nnodes {nodes} --nproc-per-node {gpus // nodes} --rdzv-backend c10d "
+            "--rdzv-endpoint HEAD_NODE:29500"
+        )
+    return " ".join([launch, "-m", "upipe.train", *words])
+
+
+def table(res: dict) -> str:
+    """The candidates, fastest first (those that fit, then those that do not, then those
+    that cannot run), the pick and its command."""
+    c, hw = res["config"], res["hardware"]
+    lines = [
+        f"{c['model']} on {c['gpus']} x {hw['name']} ({c['gpu_memory_gib']:g} GiB, "
+        f"{res['budget_bytes'] / GiB:g} GiB of tensors; {c['host_memory_gib']:g} GiB host "
+        f"memory per GPU), {res['seq_len']:,} tokens per sequence; predicted by the "
+        f"{hw['name']} time model (not validated on a GPU)",
+        f"{'candidate':34} {'fits':>4} {'peak GiB':>8} {'host GiB':>8} {'step s':>9} "
+        f"{'tokens/s':>9} {'attn s':>8} {'gemm s':>7} {'a2a s':>6} {'h2d s':>6}  why not",
+    ]
+    for r in res["candidates"]:
+        if r["problem"]:
+            lines.append(f"{r['strategy']:34} {'n/a':>4}  {r['problem']}")
+            continue
+        t = r["seconds"]
+        lines.append(
+            f"{r['strategy']:34} {'yes' if r['fits'] else 'no':>4} "
+            f"{r['peak_bytes'] / GiB:8.1f} {r['host_bytes'] / GiB:8.1f} {t['step']:9.2f} "
+            f"{r['tokens_per_s']:9,.0f} {t['attention']:8.2f} {t['gemm']:7.2f} "
+            f"{t['all_to_all']:6.2f} {t['host_to_device']:6.2f}  {r['reason']}"
+        )
+    if res["pick"]:
+        lines.append(f"\npick: {res['pick']}\n{res['command']}")
+    else:
+        lines.append("\nno candidate fits: shorten --seq-len, add GPUs or host memory")
+    return "\n".join(lines)

@@ -1,0 +1,391 @@
+"""Step time on named GPUs, predicted from what one simulated training step counts.
+
+Counting (`count_step`). One rank's step runs under `upipe.planner.step.StepSimulator`
+(the code of `upipe train` under fake tensors) with three dispatch modes on top:
+- `_Counter`: FLOPs by the formulas of `torch.utils.flop_counter` (`flop_registry`), with
+  formulas for the ops it does not know: the CPU flash-attention kernel that stands in for
+  CUDA's (`_FLOPS`: torch's own SDPA formulas, halved for a causal call) and the in-place
+  `addmm_` (the chunked loss's dW); bytes copied between device and host (the offload
+  arena lives on `step.HOST_DEVICE` in the simulation), bytes of ops that run on host
+  tensors, and the bytes every other (memory-bound) op on the device reads and writes;
+- `upipe.memory.simulate.CollectiveLog`: every collective's op, bytes and group;
+- the out_dtype GEMMs of the fused UPipe op, which the simulation's CUDA stand-in
+  (`step._cuda_addmm_acc_`) runs without dispatching any op: 2 N K M each.
+The simulator cuts tile and ring loops short and extrapolates the depth, which keeps the
+memory and not the counts; so `count_step` runs the full loops (`sample_loops=False`) at
+three short lengths S_k = k u (k = 2, 3, 4; u: whole MLP tiles and loss chunks per rank, see
+`_count_setup`) and at two depths n0 < n1 (those the planner extrapolates from). Every
+count c is exactly
+    c(n, S) = (a0 + a1 S + a2 S^2) + n (b0 + b1 S + b2 S^2)
+(blocks are identical; the GEMMs and every byte grow linearly with the tokens, attention
+with S^2), so the three lengths fix the parabola and the two depths the line, both in exact
+rational arithmetic; `tests/test_timing.py` checks the result against closed forms and
+against a fourth length and a third depth.
+
+Time model (`predict`), per rank, with the rates of a `Hardware` preset:
+    compute   = F_gemm / R_gemm + F_attn_fwd / R_fwd + F_attn_bwd / R_bwd + B_mem / W_hbm
+    step      = compute + t_a2a + t_allreduce + t_h2d + t_host + max(0, t_fsdp - compute)
+                + max(0, t_p2p - t_attn) + max(0, t_d2h - compute) + max(0, t_fsdp_copies - compute)
+- all-to-alls (Ulysses / UPipe exchanges) are exposed: each stage waits for its exchange
+  (`attention.fused.default_overlap` overlaps them only up to 64K gathered tokens, where
+  this model is pessimistic);
+- FSDP's all-gathers and reduce-scatters (t_fsdp) run on their own streams, prefetched,
+  behind the compute; ring attention's send/recv (t_p2p) behind its attention;
+- offload: the block inputs go to the host on a side stream during forward (t_d2h, hidden),
+  but come back on demand in backward (t_h2d, exposed; `upipe.model.offload`);
+- FSDP's offload (`--fsdp-offload`): each shard's host-to-device copy runs in the
+  all-gather's copy-in stream, each gradient shard's copy to the host in the
+  reduce-scatter's, both prefetched or asynchronous (t_fsdp_copies, hidden), but the
+  optimizer step on host tensors runs after the backward (t_host, exposed; host memory
+  bandwidth only: the CPU's arithmetic is not modelled).
+Collective times: bytes x (C-1)/C / W for all-to-all, all-gather, reduce-scatter (C ranks;
+2 (C-1)/C for all-reduce), bytes / W for a send (a recv is the sender's time); W is NVLink's
+inside a node, the inter-node link's for a group that spans nodes (an all-to-all sends the
+off-node share (C - c)/C at that rate while the on-node share moves over NVLink, c ranks
+per node).
+
+Left out: host-side overheads (kernel launches, Python), which matter at short sequences
+only; the GEMMs' own memory traffic (compute-bound at these sizes); norms under the CUDA
+stand-in (`step._FusedRMSNorm` allocates its outputs and dispatches no kernel, so its reads
+and writes, about 4 bytes per activation element per norm, are not counted). The model is
+not validated on a GPU (none was lent); `docs/plan.md` compares it with
+`benchmarks/step_time_model.py`'s hand-written model.
+
+Legend: S sequence, L = S / C tokens per rank, C group size, n blocks, u length unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
+
+from upipe.memory.simulate import CollectiveLog
+from upipe.planner import step as step_module
+from upipe.planner.step import HOST_DEVICE, StepSimulator
+
+_ATTN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_ATTN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_aten = torch.ops.aten
+# allocations and reshapes: no kernel reads or writes memory
+_FREE = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten._unsafe_view}
+_WRITE_ONLY = {_aten.copy_, _aten.fill_, _aten.zero_}  # their first argument is not read
+_COPIES = {_aten.copy_, _aten._to_copy, _aten.clone}
+
+
+def _attention_forward(q, k, v, dropout_p=0.0, is_causal=False, **_):
+    """torch's SDPA forward count (Q K^T and P V, 4 B h Sq Sk d), halved when causal: the
+    kernel skips the blocks above the diagonal, so it does S (S + 1) / 2 of the S^2 pairs."""
+    return sdpa_flop_count(q, k, v) // (2 if is_causal else 1)
+
+
+def _attention_backward(dout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, **_):
+    """torch's SDPA backward count (five products: 2.5x the forward), halved when causal."""
+    return sdpa_backward_flop_count(dout, q, k, v) // (2 if is_causal else 1)
+
+
+def _addmm_(acc, a, b, **_):
+    """acc += a @ b in place: 2 N K M, as torch's `addmm` formula counts the out-of-place op."""
+    return 2 * a[0] * a[1] * b[1]
+
+
+_FLOPS = {_ATTN_FWD: _attention_forward, _ATTN_BWD: _attention_backward, _aten.addmm_: _addmm_}
+_CATEGORY = {_ATTN_FWD: "attention_forward_flops", _ATTN_BWD: "attention_backward_flops"}
+_FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in _FLOPS.items()}}
+
+
+COUNTED = (  # what `_Counter` counts (and collectives: "op@ranks" bytes)
+    *("gemm_flops", "attention_forward_flops", "attention_backward_flops", "memory_bytes"),
+    *("host_to_device_bytes", "device_to_host_bytes", "host_compute_bytes"),
+    *("fsdp_host_to_device_bytes", "fsdp_device_to_host_bytes"),
+)
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class _Counter(TorchDispatchMode):
+    """Counts per op run in the block (`counts`): FLOPs by torch's formulas
+    (`torch.utils.flop_counter.flop_registry`, plus `_FLOPS`) as "gemm_flops",
+    "attention_forward_flops" or "attention_backward_flops"; and bytes:
+    - "host_to_device_bytes" / "device_to_host_bytes": copies of block inputs between the
+      offload arena (on `HOST_DEVICE`) and the device;
+    - "fsdp_host_to_device_bytes" / "fsdp_device_to_host_bytes": copies of FSDP's offloaded
+      state (`--fsdp-offload`: fake CPU tensors the simulation's tracker counts as host
+      memory, `is_host`), the shards before their all-gather, the gradient shards after;
+    - "host_compute_bytes": ops whose tensors all live on the host (read + written), such
+      as the optimizer step with FSDP's offload;
+    - "memory_bytes": every other op on the device that is not counted in FLOPs, a
+      collective or an allocation: its inputs read, its outputs written, as one eager
+      kernel does.
+    An op is classified when the next one starts (or at the end): by then the tracker above
+    this mode has registered its outputs, so `is_host` knows where they live.
+
+    Why not `FlopCounterMode` itself: its `ModuleTracker` puts hooks on every module call,
+    which fail inside autograd Functions that run modules in their forward (the tiled MLP:
+    "Expected gradient function to be set"); its formulas are what we need, and its mode is
+    this one's first half."""
+
+    def __init__(self, is_host):
+        super().__init__()
+        self.is_host, self.pending = is_host, None
+        self.counts = dict.fromkeys(COUNTED, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.settle()
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in _FORMULAS:
+            flops = _FORMULAS[packet](*args, **kwargs, out_val=out)
+            self.counts[_CATEGORY.get(packet, "gemm_flops")] += flops
+        elif not (func.is_view or packet in _FREE or func.namespace in ("c10d", "prim")):
+            read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.pending = (packet, read[1:] if packet in _WRITE_ONLY else read, written)
+        return out
+
+    def settle(self) -> None:
+        """Classify the last op (class doc)."""
+        if self.pending is None:
+            return
+        packet, read, written = self.pending
+        self.pending = None
+        host = {self.is_host(t) for t in read + written}
+        if packet in _COPIES and host == {True, False}:
+            arena = any(t.device.type == HOST_DEVICE for t in read + written)
+            way = "device_to_host" if self.is_host(written[0]) else "host_to_device"
+            self.counts[f"{'' if arena else 'fsdp_'}{way}_bytes"] += _nbytes(read)
+        else:
+            kind = "host_compute_bytes" if host == {True} else "memory_bytes"
+            self.counts[kind] += _nbytes(read) + _nbytes(written)
+
+
+def _count(sim: StepSimulator, seq_len: int) -> dict[str, int]:
+    """Counts of one simulated step at `seq_len`: `_Counter`'s, and the bytes of each
+    collective as "op@ranks" (ranks: the group's global ranks)."""
+    trackers = [trainer.tracker for trainer in sim.trainers.values()]
+
+    def is_host(t: torch.Tensor) -> bool:
+        return t.device.type == HOST_DEVICE or any(m.is_host(t) for m in trackers)
+
+    counter, log = _Counter(is_host), CollectiveLog()
+    stand_in = step_module._cuda_addmm_acc_
+
+    def addmm_acc_(acc, a, b, *, tensor_cores):
+        """The simulation's stand-in for CUDA's out_dtype GEMM dispatches no op: count it."""
+        counter.counts["gemm_flops"] += 2 * a.shape[0] * a.shape[1] * b.shape[1]  # acc += a b
+        return stand_in(acc, a, b, tensor_cores=tensor_cores)
+
+    with mock.patch.object(step_module, "_cuda_addmm_acc_", addmm_acc_), counter, log:
+        sim.step(seq_len)
+    counter.settle()
+    counts = dict(counter.counts)
+    for c in log.calls:
+        key = f"{c.op}@{','.join(map(str, c.ranks))}"
+        counts[key] = counts.get(key, 0) + c.nbytes
+    return counts
+
+
+def _through(xs, ys, x) -> Fraction:
+    """The polynomial of degree len(xs) - 1 through the points (xs, ys), at x (Lagrange)."""
+    total = Fraction(0)
+    for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
+        term = Fraction(yi)
+        for j, xj in enumerate(xs):
+            if j != i:
+                term *= Fraction(x - xj, xi - xj)
+        total += term
+    return total
+
+
+COUNT_MULTIPLES = (2, 3, 4)  # the lengths counted, in units: three points fix a parabola
+
+
+def _count_setup(cfg, world: int, seq_len: int, unit: int):
+    """The config and lengths to count `cfg` at `seq_len` with: S_k = k U (k in
+    `COUNT_MULTIPLES`), U the least multiple of `unit` whose L = U / C (C context-parallel
+    ranks) is a multiple of the MLP tile and the loss chunk, so that every count length has
+    whole tiles and chunks and at least two tiles: the per-tile work (a tile's weight
+    gradients added into .grad) grows with L / tile, linearly. A sequence of one tile runs
+    the MLP plainly (`features.tiled_recompute`), so if `seq_len`'s L is that short the
+    count runs without tiles (the same ops)."""
+    dp = cfg.degrees(world)[0]
+    C = world // dp
+    U = unit
+    if cfg.tiled_mlp and seq_len // C <= cfg.mlp_tile:
+        cfg = dataclasses.replace(cfg, tiled_mlp=False)
+    for on, tokens in ((cfg.tiled_mlp, cfg.mlp_tile), (cfg.chunked_loss, cfg.loss_chunk)):
+        U = math.lcm(U, C * tokens) if on else U
+    return cfg, [k * U for k in COUNT_MULTIPLES]
+
+
+def count_step(cfg, world: int, model, seq_len: int, *, unit: int, depths, kernels="cuda"):
+    """Exact counts (module doc) of rank 0's training step of `cfg` (a `TrainConfig`) on
+    `world` ranks at `seq_len` tokens: simulated in full at three lengths (`_count_setup`;
+    `unit`: a valid length of `cfg`) and at the two `depths` (the model's own if it is not
+    deeper), then fitted. Returns {name: count} (`_count`'s names). Exact for FLOPs,
+    collectives and host copies at any length; the memory-bound bytes also need `seq_len`'s
+    L to be whole MLP tiles and loss chunks (else they are off by a part of one tile's)."""
+    n_layers = model.n_layers
+    depths = tuple(depths) if max(depths) < n_layers else (n_layers,)
+    cfg, xs = _count_setup(cfg, world, seq_len, unit)
+    runs = []
+    for n in depths:
+        with StepSimulator(
+            cfg, world, model, depths=(n,), sample_loops=False, kernels=kernels
+        ) as sim:
+            runs.append([_count(sim, S) for S in xs])
+    out = {}
+    for key in sorted({k for at_depth in runs for c in at_depth for k in c}):
+        ys = [_through(xs, [c.get(key, 0) for c in at_depth], seq_len) for at_depth in runs]
+        if len(ys) == 2:  # c(n) = c(n1) + (c(n1) - c(n0)) (n - n1) / (n1 - n0)
+            (n0, n1), y0, y1 = depths, *ys
+            ys = [y1 + (y1 - y0) * Fraction(n_layers - n1, n1 - n0)]
+        out[key] = round(ys[0])
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """The rates the time model assumes for one GPU model (achieved, not peak, where a
+    source gives both), each with its source. Per GPU unless said otherwise."""
+
+    name: str
+    gemm: float
+    """bf16 dense GEMM FLOP/s (cuBLAS, large shapes)."""
+    attention_forward: float
+    """Causal flash-attention forward FLOP/s (d = 128, long sequences)."""
+    attention_backward: float
+    """Causal flash-attention backward FLOP/s (the five products counted)."""
+    hbm: float
+    """Device memory bytes/s of memory-bound kernels."""
+    all_to_all: float
+    """Bytes/s one GPU sends into an all-to-all inside a node (NVLink)."""
+    collective: float
+    """All-gather / reduce-scatter / all-reduce bus bytes/s inside a node (NVLink)."""
+    p2p: float
+    """Bytes/s of ring attention's send to the next rank inside a node (NVLink)."""
+    inter_node: float
+    """Bytes/s per GPU between nodes (its network adapter)."""
+    gpus_per_node: int = 8
+    """GPUs that share NVLink: a process group with ranks on several nodes crosses the
+    network (ranks r and r' share a node iff r // gpus_per_node == r' // gpus_per_node)."""
+    host_link: float
+    """Host <-> device bytes/s per GPU, page-locked memory, each direction."""
+    host_memory: float
+    """Host memory bytes/s per GPU for work on host tensors (an optimizer step on the CPU:
+    the node's DRAM bandwidth shared by its GPUs' processes)."""
+
+
+# H100 SXM5 80GB: compute, HBM and NVLink rates as in benchmarks/step_time_model.py (same
+# sources): 989 TFLOP/s bf16 dense peak x ~0.66 (NVIDIA datasheet); FlashAttention-2 on H100
+# as measured in the FlashAttention-3 paper (arXiv 2407.08608): 335 TFLOP/s causal forward,
+# 322 non-causal backward (causal a little slower: 300); HBM3 3.35 TB/s x 0.9; NCCL's NVLink4
+# ceiling ~370 GB/s bus bandwidth (NVIDIA/nccl-tests#212): ~55% in an all-to-all of 4-34 MB
+# per peer with its layout copies, 300 GB/s for large all-gathers / reduce-scatters and, our
+# estimate, for a ring's send to its neighbour. Host link PCIe Gen5 x16: 64 GB/s raw per
+# direction, ~50 GB/s pinned copies (`upipe.model.offload`'s figure). Between nodes one
+# 400 Gb/s ConnectX-7 per GPU (DGX H100): 50 GB/s x 0.8. Host memory: 2 x 8 channels of
+# DDR5-4800 (DGX H100: 614 GB/s per node) / 8 GPUs x ~0.6 for a streaming update.
+H100 = Hardware(
+    name="h100",
+    gemm=650e12,
+    attention_forward=335e12,
+    attention_backward=300e12,
+    hbm=3.0e12,
+    all_to_all=200e9,
+    collective=300e9,
+    p2p=300e9,
+    inter_node=40e9,
+    host_link=50e9,
+    host_memory=45e9,
+)
+# H200 SXM 141GB: the H100's compute die, clocks and NVLink4 (NVIDIA H200 datasheet: the same
+# 989 TFLOP/s bf16 dense, 900 GB/s NVLink), so the same compute and link rates; HBM3e
+# 4.8 TB/s x 0.9. (Flash attention at d = 128 is compute-bound: its rate is the H100's.)
+H200 = dataclasses.replace(H100, name="h200", hbm=4.3e12)
+# A100 SXM4 80GB: 312 TFLOP/s bf16 dense peak x ~0.7 (NVIDIA datasheet); FlashAttention-2
+# paper (arXiv 2307.08691): forward up to 73% of peak, backward lower; 190 / 165 TFLOP/s
+# causal at d = 128 is our reading of its A100 figures, not a measurement; HBM2e 2.04 TB/s
+# x 0.9; NVLink3 600 GB/s (2/3 of NVLink4): the H100's achieved rates x 2/3; PCIe Gen4 x16:
+# 32 GB/s raw, ~25 pinned; one 200 Gb/s ConnectX-6 per GPU (DGX A100): 25 GB/s x 0.8; host
+# memory 2 x 8 channels of DDR4-3200 (DGX A100: 410 GB/s per node) / 8 GPUs x ~0.6.
+A100 = Hardware(
+    name="a100",
+    gemm=220e12,
+    attention_forward=190e12,
+    attention_backward=165e12,
+    hbm=1.8e12,
+    all_to_all=133e9,
+    collective=200e9,
+    p2p=200e9,
+    inter_node=20e9,
+    host_link=25e9,
+    host_memory=30e9,
+)
+HARDWARE = {hw.name: hw for hw in (H100, H200, A100)}
+
+
+def get_hardware(name: str) -> Hardware:
+    if name not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}: use one of {', '.join(HARDWARE)}")
+    return HARDWARE[name]
+
+
+def _collective_seconds(op: str, ranks: list[int], nbytes: int, hw: Hardware) -> float:
+    """Seconds of one rank's share of a step's collectives of one kind on one group (module
+    doc): inside a node at NVLink's rates, across nodes at the inter-node link's."""
+    C = len(ranks)
+    on_node = sum(r // hw.gpus_per_node == ranks[0] // hw.gpus_per_node for r in ranks)
+    if op == "recv" or C == 1:
+        return 0.0
+    if op == "all_to_all":
+        if on_node == C:
+            return nbytes * (C - 1) / C / hw.all_to_all
+        return max(
+            nbytes * (on_node - 1) / C / hw.all_to_all, nbytes * (C - on_node) / C / hw.inter_node
+        )
+    rate = (hw.p2p if op == "send" else hw.collective) if on_node == C else hw.inter_node
+    share = {"send": 1, "broadcast": 1, "all_reduce": 2 * (C - 1) / C}.get(op, (C - 1) / C)
+    return nbytes * share / rate
+
+
+def predict(counts: dict[str, int], hw: Hardware) -> dict[str, float]:
+    """Seconds per training step on one rank by part (module doc); "step" is their total."""
+    t = {
+        "gemm": counts["gemm_flops"] / hw.gemm,
+        "attention": counts["attention_forward_flops"] / hw.attention_forward
+        + counts["attention_backward_flops"] / hw.attention_backward,
+        "memory_bound": counts["memory_bytes"] / hw.hbm,
+    }
+    compute = sum(t.values())
+    comm = dict.fromkeys(("all_to_all", "fsdp", "p2p", "all_reduce"), 0.0)
+    for key, nbytes in counts.items():
+        if "@" in key:
+            op, ranks = key.split("@")
+            part = {"all_gather": "fsdp", "reduce_scatter": "fsdp", "send": "p2p", "recv": "p2p"}
+            seconds = _collective_seconds(op, [int(r) for r in ranks.split(",")], nbytes, hw)
+            comm[part.get(op, "all_to_all" if op == "all_to_all" else "all_reduce")] += seconds
+    t["all_to_all"], t["all_reduce"] = comm["all_to_all"], comm["all_reduce"]
+    t["fsdp_exposed"] = max(0.0, comm["fsdp"] - compute)
+    t["p2p_exposed"] = max(0.0, comm["p2p"] - t["attention"])
+    t["host_to_device"] = counts["host_to_device_bytes"] / hw.host_link
+    t["device_to_host_exposed"] = max(0.0, counts["device_to_host_bytes"] / hw.host_link - compute)
+    fsdp_copies = counts["fsdp_host_to_device_bytes"] + counts["fsdp_device_to_host_bytes"]
+    t["fsdp_copies_exposed"] = max(0.0, fsdp_copies / hw.host_link - compute)
+    t["host_compute"] = counts["host_compute_bytes"] / hw.host_memory
+    t["step"] = sum(t.values())
+    return t

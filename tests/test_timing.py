@@ -1,0 +1,195 @@
+"""The time model's counts equal closed forms for the full step (though the simulator cuts
+loops short and extrapolates depth), its time formulas, `upipe plan --recommend`'s pick and
+the command it prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import pytest
+
+from upipe.cli import build_parser, main
+from upipe.cli.options import config_from_args
+from upipe.model import CausalLM, get_config
+from upipe.planner.plan import PlanConfig
+from upipe.planner.recommend import RecommendConfig, recommend, table, torchrun_command
+from upipe.planner.step import StepSimulator
+from upipe.planner.timing import H100, _count, count_step, get_hardware, predict
+from upipe.torch_private import FakeTensorMode
+from upipe.train.config import TrainConfig, validate
+
+C, S, UNIT, E = 2, 256, 64, 2  # ranks, tokens counted at, count unit, bytes per bf16
+MODEL = dataclasses.replace(get_config("tiny"), n_layers=6)  # deeper than the depths 3, 4
+
+
+def _config(strategy, **kw):
+    kw = dict(strategy=strategy, nproc=C, fsdp=True, dtype="bfloat16", seq_len=UNIT, **kw)
+    return TrainConfig(model="tiny", plot=None, **kw)
+
+
+def _closed_forms(strategy, recompute, mlp=False, loss=False):
+    """Per rank and step (L = S / C tokens, causal attention counted as half of S^2):
+    block forward GEMMs 2 L D (H + 2G) d (q, k, v) + 2 L H d D (o) + 3 x 2 L D F (MLP),
+    backward twice that; head 2 L D V forward, twice backward; attention forward
+    2 S^2 H d / C, backward 2.5x. Recomputation adds forwards: checkpointing the block's,
+    the fused UPipe op the projections of q, k, v, the tiled MLP its MLP, the chunked loss
+    its head. All-to-all bytes per layer call (unit L d E): Ulysses (2H + 2G) each way, UPipe
+    2H + 2G forward, 4H + 4G backward (it sends q, k, v and out again)."""
+    D, H, G, d, F, V, n = (getattr(MODEL, a) for a in ("hidden_size", "n_heads", "n_kv_heads",
+                           "head_dim", "ffn_dim", "vocab_size", "n_layers"))  # fmt: skip
+    L = S // C
+    qkv, o, ffn, head = 2 * L * D * (H + 2 * G) * d, 2 * L * H * d * D, 6 * L * D * F, 2 * L * D * V
+    block = qkv + o + ffn
+    gemm = n * 3 * block + 3 * head + n * recompute * block
+    gemm += n * qkv * (strategy == "upipe") + n * ffn * mlp + head * loss
+    attention = n * 2 * S * S * H * d // C
+    unit = n * L * d * E
+    forward, backward = {"ulysses": (24, 24), "upipe": (24, 48), "ring": (0, 0)}[strategy]
+    return {
+        "gemm_flops": gemm,
+        "attention_forward_flops": attention * (1 + recompute),
+        "attention_backward_flops": attention * 5 // 2,
+        "all_to_all": (forward * (1 + recompute) + backward) * unit,
+    }
+
+
+CASES = [
+    ("ulysses", {}),
+    ("ulysses", {"activation_checkpoint": True}),
+    ("upipe", {}),
+    ("upipe", {"activation_checkpoint": True, "heads_per_stage": 2}),
+    ("ring", {"activation_checkpoint": True}),
+    ("ulysses", {"activation_checkpoint": True, "offload": True, "tiled_mlp": True,
+                 "mlp_tile": 32, "chunked_loss": True, "loss_chunk": 32}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy,kw", CASES)
+def test_counts_equal_closed_forms(strategy, kw):
+    counts = count_step(_config(strategy, **kw), C, MODEL, S, unit=UNIT, depths=(3, 4))
+    flags = [kw.get(f, False) for f in ("activation_checkpoint", "tiled_mlp", "chunked_loss")]
+    want = _closed_forms(strategy, *flags)
+    for key in ("gemm_flops", "attention_forward_flops", "attention_backward_flops"):
+        assert counts[key] == want[key], key
+    assert counts.get("all_to_all@0,1", 0) == want["all_to_all"]
+    assert counts["host_compute_bytes"] == 0
+    if strategy == "ring":  # kv blocks around the ring: a send for each recv
+        assert counts["send@0,1"] == counts["recv@0,1"] > 0
+    if kw.get("offload"):  # each block input: to the host in forward, back twice in backward
+        block_input = MODEL.n_layers * (S // C) * MODEL.hidden_size * E
+        assert counts["device_to_host_bytes"] == block_input
+        assert counts["host_to_device_bytes"] == 2 * block_input
+    else:
+        assert counts["device_to_host_bytes"] == counts["host_to_device_bytes"] == 0
+
+
+def test_fsdp_bytes():
+    """FSDP2, per step: each block's bf16 parameters all-gathered twice (forward, and again
+    for its backward after resharding), the root's (embedding, final norm, head) once; the
+    fp32 gradients of all reduce-scattered once. Shards are padded to equal rows: the
+    embedding's and the head's V = 257 rows to 258 on 2 ranks."""
+    counts = count_step(_config("ulysses"), C, MODEL, S, unit=UNIT, depths=(3, 4))
+    with FakeTensorMode():
+        block = sum(p.numel() for p in CausalLM(MODEL).model.layers[0].parameters())
+    D, V, n = MODEL.hidden_size, MODEL.vocab_size, MODEL.n_layers
+    root = MODEL.num_params() - n * block + 2 * D * (-V % C)  # (padded)
+    assert counts["all_gather@0,1"] == E * (2 * n * block + root)
+    assert counts["reduce_scatter@0,1"] == 4 * (n * block + root)
+
+
+def test_fits_are_exact_at_a_fourth_length_and_full_depth():
+    """The parabola through three lengths and the line through two depths give what the
+    full-depth model counts at a fourth length (every count, bytes included)."""
+    cfg = _config(
+        "upipe", heads_per_stage=4, activation_checkpoint=True, tiled_mlp=True, mlp_tile=32
+    )
+    fitted = count_step(cfg, C, MODEL, 5 * 128, unit=UNIT, depths=(3, 4))
+    with StepSimulator(cfg, C, MODEL, sample_loops=False) as sim:
+        assert fitted == _count(sim, 5 * 128)
+
+
+def test_time_model():
+    counts = {"gemm_flops": 650e12, "attention_forward_flops": 335e12}
+    counts.update(attention_backward_flops=600e12, memory_bytes=3e12, host_compute_bytes=0)
+    counts.update(host_to_device_bytes=50e9, device_to_host_bytes=50e9)
+    counts.update(fsdp_host_to_device_bytes=0, fsdp_device_to_host_bytes=0)
+    counts["all_to_all@0,1,2,3,4,5,6,7"] = 8 * 200e9 / 7  # 7/8 leave the GPU: 1 s
+    counts["all_gather@0,1,2,3,4,5,6,7"] = 8 * 300e9 / 7  # 1 s, hidden behind compute
+    t = predict(counts, H100)
+    assert (t["gemm"], t["attention"], t["memory_bound"]) == pytest.approx((1, 3, 1))
+    assert (t["all_to_all"], t["fsdp_exposed"], t["device_to_host_exposed"]) == pytest.approx(
+        (1, 0, 0)
+    )
+    assert t["host_to_device"] == pytest.approx(1) and t["step"] == pytest.approx(7)
+    counts["all_gather@0,1,2,3,4,5,6,7"] *= 6  # 6 s of FSDP behind 5 s of compute
+    counts["all_to_all@0,8"] = 2 * H100.inter_node  # two nodes: off-node half at their rate
+    t = predict(counts, H100)
+    assert t["fsdp_exposed"] == pytest.approx(1) and t["all_to_all"] == pytest.approx(2)
+
+
+@pytest.fixture(scope="module")
+def recommended():
+    """ulysses and none at 2048 tokens on 2 ranks; budgets from a first run: one where both
+    fit, one where only the smaller peak fits."""
+    pc = PlanConfig(model="tiny", gpus=2, strategies=("ulysses", "none"), features=("off",))
+    pc = dataclasses.replace(pc, granularity=UNIT, jobs=1, reserve_gib=0, gpu_memory_gib=1)
+    rc = RecommendConfig(recommend=True, seq_len=2048)
+    both = recommend(pc, rc)
+    peaks = sorted(r["peak_bytes"] for r in both["candidates"])
+    tight = dataclasses.replace(pc, gpu_memory_gib=(peaks[0] + peaks[1]) / 2 / 2**30)
+    return both, recommend(tight, rc), rc
+
+
+def test_recommend_picks_the_fastest_that_fits(recommended):
+    both, tight, rc = recommended
+    rows = {r["strategy"]: r for r in both["candidates"]}
+    assert all(r["fits"] for r in rows.values()) and len(rows) == 2
+    assert both["pick"] == min(rows, key=lambda s: rows[s]["seconds"]["step"])
+    small = min(rows, key=lambda s: rows[s]["peak_bytes"])
+    assert tight["pick"] == small  # the other does not fit, whatever its speed
+    other = next(r for r in tight["candidates"] if r["strategy"] != small)
+    assert not other["fits"] and "device peak" in other["reason"]
+    assert f"pick: {tight['pick']}\n{tight['command']}" in table(tight)
+
+
+def _parsed(command: str, gpus: int):
+    words = shlex.split(command)
+    assert words[0] == "torchrun" and words[words.index("-m") + 1] == "upipe.train"
+    ns = build_parser().parse_args(["train", *words[words.index("-m") + 2 :]])
+    return config_from_args(TrainConfig, ns)
+
+
+def test_printed_command_parses(recommended):
+    both, _, rc = recommended
+    pick = next(r for r in both["candidates"] if r["strategy"] == both["pick"])
+    cfg = _parsed(both["command"], 2)
+    assert both["command"].startswith("torchrun --nproc-per-node 2 -m upipe.train --device cuda")
+    want = TrainConfig(**{**pick["train_config"], "seq_len": rc.seq_len, "device": "cuda"})
+    assert dataclasses.replace(cfg, nproc=want.nproc) == want
+    assert validate(cfg, 2) is None
+    kw = {**pick["train_config"], "activation_checkpoint": True, "offload": True}
+    cmd = torchrun_command(kw, 16, 2**20, 8)
+    assert cmd.startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d")
+    cfg = _parsed(cmd, 16)
+    assert cfg.offload and cfg.activation_checkpoint and cfg.seq_len == 2**20
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--recommend", "--seq-len", "4096", "--hardware", "b200"], "invalid choice: 'b200'"),
+        (["--recommend"], "--recommend needs --seq-len"),
+        (["--seq-len", "4096"], "add --recommend"),
+        (["--recommend", "--seq-len", "4096", "--dtype", "float32"], "use --dtype bfloat16"),
+    ],
+)
+def test_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", "--model", "tiny", "--gpus", "2", *args])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_unknown_hardware():
+    with pytest.raises(ValueError, match="unknown hardware 'b200': use one of h100, h200, a100"):
+        get_hardware("b200")
