@@ -69,19 +69,32 @@ CASES = [
                      "fsdp": True, "chunked_loss": True, "loss_chunk": 256, "offload": True}),
         ("upipe", {"activation_checkpoint": True, "fsdp": True}),
         ("ring", {"tiled_mlp": True, "mlp_tile": 256}),
+        ("upipe", {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 256,
+                   "offload": True, "blocks_per_checkpoint": 2, "keep_on_gpu": 1}),
+        ("ulysses", {"activation_checkpoint": True, "blocks_per_checkpoint": 3, "fsdp": True}),
     ],
 )  # fmt: skip
 def test_extrapolated_depth_equals_full_depth(strategy, kw):
-    """The planner's shortcut: 3 and 4 blocks extrapolated to 8 give the 8-block peak."""
+    """The planner's shortcut: 3 and 4 checkpoints (+ the kept ones, + a shorter last one)
+    extrapolated to the full depth give its device peak and host bytes (8 blocks; 13 with
+    checkpoints of 2 blocks, the last kept on the GPU: 4 offloaded + 1 kept + 1 of 1 block;
+    16 with checkpoints of 3)."""
     from upipe.model import get_config
+    from upipe.planner.plan import extrapolation_depths
 
-    model = dataclasses.replace(get_config("tiny"), n_layers=8)
+    n_layers = {1: 8, 2: 13, 3: 16}[kw.get("blocks_per_checkpoint", 1)]
+    model = dataclasses.replace(get_config("tiny"), n_layers=n_layers)
     cfg = small_config(strategy=strategy, nproc=4, **kw)
+    depths = extrapolation_depths(cfg, n_layers)
+    assert depths == {8: (3, 4), 13: (9, 11), 16: (10, 13)}[n_layers]
+
+    def memory(sim):
+        return [(m.peak_bytes, m.host_peak_bytes) for m in map(sim.step, (1024, 4096))]
+
     with StepSimulator(cfg, 4, model) as full:
-        want = [full.step(S).peak_bytes for S in (1024, 4096)]
-    with StepSimulator(cfg, 4, model, depths=EXTRAPOLATION_DEPTHS) as short:
-        got = [short.step(S).peak_bytes for S in (1024, 4096)]
-    assert got == want
+        want = memory(full)
+    with StepSimulator(cfg, 4, model, depths=depths) as short:
+        assert memory(short) == want
 
 
 @pytest.mark.parametrize(
@@ -232,20 +245,28 @@ def test_feature_sets():
     from upipe.model import get_config
     from upipe.planner.plan import candidates
 
-    feats = ("off", "on", "mlp+recompute", "offload")
+    feats = ("off", "on", "mlp+recompute", "offload", "on+ckpt2+gpu1", "recompute+gpu1")
     pc = PlanConfig(model="tiny", gpus=2, strategies=("ulysses",), features=feats)
     rows = candidates(pc, get_config("tiny"))
     assert [r[0] for r in rows] == [
-        "ulysses", "ulysses +features", "ulysses +mlp+recompute", "ulysses +offload"
+        "ulysses", "ulysses +features", "ulysses +mlp+recompute", "ulysses +offload",
+        "ulysses +on+ckpt2+gpu1", "ulysses +recompute+gpu1",
     ]  # fmt: skip
-    (_, off, _), (_, on, _), (_, some, ok), (_, _, problem) = rows
+    (_, off, _), (_, on, _), (_, some, ok), (_, _, problem), (_, more, all_kept), (_, _, keep) = (
+        rows
+    )
     features = ("tiled_mlp", "chunked_loss", "activation_checkpoint", "offload")
     assert not any(off.get(k) for k in features)
     assert all(on[k] for k in features)
     assert some["tiled_mlp"] and some["activation_checkpoint"] and not some.get("chunked_loss")
     assert ok is None and "--activation-checkpoint" in problem  # offload needs checkpointing
-    with pytest.raises(ValueError, match="unknown \\['tiles'\\]"):
-        candidates(dataclasses.replace(pc, features=("tiles",)), get_config("tiny"))
+    assert all(more[k] for k in features)  # tiny has 2 blocks: 1 checkpoint of 2
+    assert "keeps all 1 checkpoints (2 blocks / 2 per checkpoint) on the GPU" in all_kept
+    assert (more["blocks_per_checkpoint"], more["keep_on_gpu"]) == (2, 1)
+    assert keep == "--keep-on-gpu 1 keeps some offloaded inputs on the GPU: it needs --offload"
+    for bad in ("tiles", "ckpt0", "gpu"):
+        with pytest.raises(ValueError, match=f"unknown '{bad}'"):
+            candidates(dataclasses.replace(pc, features=(f"on+{bad}",)), get_config("tiny"))
 
 
 def test_cuda_rms_norm_footprint():

@@ -143,11 +143,10 @@ def run(cfg: TrainConfig) -> int:
             return 0
     else:
         dp, ring, uly = cfg.degrees(cfg.nproc)
-        features = [
-            n
-            for n in ("tiled_mlp", "chunked_loss", "activation_checkpoint", "offload", "fsdp")
-            if getattr(cfg, n)
-        ]
+        names = ("tiled_mlp", "chunked_loss", "activation_checkpoint", "offload", "fsdp")
+        features = [n for n in names if getattr(cfg, n)]
+        if cfg.activation_checkpoint and cfg.blocks_per_checkpoint > 1:
+            features.append(f"blocks_per_checkpoint={cfg.blocks_per_checkpoint}")
         name = cfg.init_from_hf or cfg.model
         print(
             f"{name} ({m.num_params() / 1e6:.2f}M parameters), strategy {cfg.strategy}, "

@@ -12,6 +12,8 @@ Legend: B batch, L local sequence, D width, T tile tokens.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.autograd.graph import get_gradient_edge
 
@@ -96,53 +98,87 @@ def tiled_recompute(fn, x_BLD: torch.Tensor, tile_tokens: int, *, residual: bool
 
 
 class _Checkpoint(torch.autograd.Function):
-    """y = fn(x, *args) keeping only x (in the offloader's host slot `index` if given).
+    """y = f_m(... f_1(x, *args) ..., *args) for the segment `fns` = (f_1, ..., f_m), keeping
+    only x (in the offloader's host slot `index` if given).
 
-    Backward recomputes y with grad, releases it (its backward needs only its graph, not its
-    values: one [B, L, D] less while the block's backward runs), and back-propagates dy
-    through the graph.
+    Backward first recomputes, without a graph, the inputs of f_2, ..., f_m (kept on the
+    device, or with offload each in a scratch host slot of its own), then for j = m, ..., 1
+    recomputes f_j with grad from its input, releases the output (its backward needs only
+    its graph, not its values: one [B, L, D] less while f_j's backward runs), and
+    back-propagates the gradient through it. Only one f_j's graph exists at a time, so a
+    segment of m blocks holds m - 1 block inputs more than one block does (none with
+    offload) and runs the forwards of f_1, ..., f_{m-1} once more.
     """
 
     @staticmethod
-    def forward(ctx, x_BLD, fn, offload, index, *args):
-        ctx.fn, ctx.args, ctx.offload, ctx.index = fn, args, offload, index
+    def forward(ctx, x_BLD, fns, offload, index, *args):
+        ctx.fns, ctx.args, ctx.offload, ctx.index = fns, args, offload, index
         if offload is None:
             ctx.save_for_backward(x_BLD)
         else:
             ctx.device, ctx.token = x_BLD.device, offload.save(x_BLD, index)
-        return fn(x_BLD, *args)
+        for fn in fns:
+            x_BLD = fn(x_BLD, *args)
+        return x_BLD
 
     @staticmethod
     def backward(ctx, dy_BLD):
-        sink = []  # x's gradient
-        if ctx.offload is None:
-            (x_BLD,) = ctx.saved_tensors
-            x_BLD = x_BLD.detach().requires_grad_()
-            x_BLD.register_post_accumulate_grad_hook(lambda x: sink.append(x.grad))
-            with torch.enable_grad():
-                y_BLD = ctx.fn(x_BLD, *ctx.args)
+        offload, args = ctx.offload, ctx.args
+        if offload is None:
+            x_BLD = ctx.saved_tensors[0].detach()  # (not back into the graph it came from)
+            loads = [lambda x_BLD=x_BLD: x_BLD]
         else:
-            offload, token, index = ctx.offload, ctx.token, ctx.index
-
-            def load():
-                return offload.load(token, index, ctx.device)
-
-            # x enters the recomputed graph as a non-leaf (`_Input`), so the graph holds it
-            # only where it saves it, and the hooks keep those as promises of `load()`: the
-            # device copy is freed as soon as the recomputation is done with it
-            anchor = torch.empty(0, requires_grad=True)
-            with torch.enable_grad():
-                x_BLD = _Input.apply(anchor, load(), sink)
-                with _from_host(x_BLD, load):
-                    y_BLD = ctx.fn(x_BLD, *ctx.args)
+            slots = [(ctx.token, ctx.index)]
+            loads = [lambda: offload.load(ctx.token, ctx.index, ctx.device)]
+        if len(ctx.fns) > 1:  # the inputs of f_2, ..., f_m
+            with torch.no_grad():
+                x_BLD = loads[0]()
+                for j, fn in enumerate(ctx.fns[:-1]):
+                    x_BLD = fn(x_BLD, *args)
+                    if offload is None:
+                        loads.append(lambda x_BLD=x_BLD: x_BLD)
+                        continue
+                    slot = (offload.save(x_BLD, offload.n_inputs + j), offload.n_inputs + j)
+                    slots.append(slot)
+                    loads.append(lambda slot=slot: offload.load(*slot, ctx.device))
                 del x_BLD
-        y_edge = get_gradient_edge(y_BLD)
-        del y_BLD
-        torch.autograd.backward(y_edge, dy_BLD)
-        if ctx.offload is not None:
-            ctx.offload.release(ctx.token, ctx.index)
-        dx_BLD = sink[0] if sink else None  # None: y did not depend on x
-        return (dx_BLD, None, None, None) + (None,) * len(ctx.args)
+        # the engine keeps the segment's dy alive until this returns: each inner block's
+        # dx is copied into it (if dy is ours to write, see `_TiledRecompute`), so the
+        # segment's backward holds one [B, L, D] gradient, as a single block's does
+        held = dy_BLD if dy_BLD._base is None and dy_BLD.is_contiguous() else None
+        for j in reversed(range(len(ctx.fns))):  # (each input let go once its block is done)
+            dy_BLD = _recompute_backward(ctx.fns[j], args, loads.pop(), dy_BLD, offload is not None)
+            if dy_BLD is None:  # y did not depend on x: the earlier blocks get no gradient
+                break
+            if (
+                j
+                and held is not None
+                and dy_BLD.untyped_storage()._cdata != held.untyped_storage()._cdata
+            ):
+                dy_BLD = held.copy_(dy_BLD)
+        if offload is not None:
+            for token, index in slots:
+                offload.release(token, index)
+        return (dy_BLD, None, None, None) + (None,) * len(args)
+
+
+def _recompute_backward(fn, args, load, dy_BLD, from_host: bool):
+    """Recompute y = fn(x, *args) on x = `load()`, back-propagate `dy` through it, and return
+    dx (None when y does not depend on x). x enters the recomputed graph as a non-leaf
+    (`_Input`), so the graph holds it only where it saves it; `from_host`: the hooks keep
+    those as promises of `load()`, so the device copy is freed as soon as the recomputation
+    is done with it."""
+    sink = []  # x's gradient
+    anchor = torch.empty(0, requires_grad=True)
+    with torch.enable_grad():
+        x_BLD = _Input.apply(anchor, load(), sink)
+        with _from_host(x_BLD, load) if from_host else contextlib.nullcontext():
+            y_BLD = fn(x_BLD, *args)
+        del x_BLD
+    y_edge = get_gradient_edge(y_BLD)
+    del y_BLD
+    torch.autograd.backward(y_edge, dy_BLD)
+    return sink[0] if sink else None
 
 
 class _Input(torch.autograd.Function):
@@ -190,19 +226,34 @@ def _geometry(t: torch.Tensor) -> tuple:
 
 
 def activation_checkpoint(
-    fn, x_BLD: torch.Tensor, *args, offload: Offloader | None = None, index: int | None = None
+    fns, x_BLD: torch.Tensor, *args, offload: Offloader | None = None, index: int | None = None
 ) -> torch.Tensor:
-    """`fn(x, *args)` saving only x for backward (recomputing the rest there).
+    """`fn(x, *args)` -- or, for a sequence `fns` = (f_1, ..., f_m), the segment
+    f_m(... f_1(x, *args) ..., *args) -- saving only x for backward (recomputing the rest
+    there, one function at a time: see `_Checkpoint`).
 
     `offload`: the model's `Offloader`, which keeps x in host memory between forward and
-    backward, in slot `index` (the block's position in forward order); None keeps x where
-    it is. `args` are not differentiated (positions and the like).
+    backward, in slot `index` (the segment's position in forward order; the inputs a
+    segment recomputes in backward go to its scratch slots); None keeps x where it is.
+    `args` are not differentiated (positions and the like).
     """
-    if offload is not None and not (isinstance(offload, Offloader) and isinstance(index, int)):
-        raise ValueError(
-            f"offload must be an upipe Offloader, with the block's index, or None; got "
-            f"offload={offload!r}, index={index!r}"
-        )
+    fns = tuple(fns) if isinstance(fns, (list, tuple)) else (fns,)
+    if not fns:
+        raise ValueError("activation_checkpoint needs at least one function")
+    if offload is not None:
+        if not (isinstance(offload, Offloader) and isinstance(index, int)):
+            raise ValueError(
+                f"offload must be an upipe Offloader, with the segment's index, or None; got "
+                f"offload={offload!r}, index={index!r}"
+            )
+        if len(fns) - 1 > offload.scratch:
+            raise ValueError(
+                f"a segment of {len(fns)} functions recomputes {len(fns) - 1} inputs in "
+                f"backward, but the Offloader has {offload.scratch} scratch slots: make it "
+                f"with scratch={len(fns) - 1}"
+            )
     if not (torch.is_grad_enabled() and x_BLD.requires_grad):
-        return fn(x_BLD, *args)
-    return _Checkpoint.apply(x_BLD, fn, offload, index, *args)
+        for fn in fns:
+            x_BLD = fn(x_BLD, *args)
+        return x_BLD
+    return _Checkpoint.apply(x_BLD, fns, offload, index, *args)

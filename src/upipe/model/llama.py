@@ -11,7 +11,8 @@ parameters. Inputs are token ids with their *global* positions, so the same code
 whole sequence or on one rank's shard of it.
 
 Memory features (settable attributes, off by default, none changes the math):
-`CausalLM.recompute_blocks` (+ `offload`, an `upipe.model.offload.Offloader`), `MLP.tile_tokens`,
+`CausalLM.recompute_blocks` (blocks per checkpoint; + `offload`, an
+`upipe.model.offload.Offloader`), `MLP.tile_tokens`,
 `CausalLM.loss_chunk_tokens`.
 """
 
@@ -142,8 +143,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.recompute_blocks = False
+        self.recompute_blocks: int = 0
+        """Activation checkpointing: 0 (or False) off; m (True = 1) checkpoints of m
+        consecutive blocks each, only their inputs saved (`features.activation_checkpoint`)."""
         self.offload: Offloader | None = None
+        """Keeps the inputs of the first `offload.n_inputs` checkpoints in host memory (the
+        others stay on the device)."""
         self.loss_chunk_tokens: int | None = None
 
     @torch.no_grad()
@@ -172,12 +177,19 @@ class CausalLM(nn.Module):
         if isinstance(cu_seqlens, torch.Tensor):  # read once here, not once per layer
             cu_seqlens = tuple(cu_seqlens.tolist()) if cu_seqlens.dim() == 1 else cu_seqlens
         h_BLD = self.model.embed_tokens(input_ids_BL)
-        for i, block in enumerate(self.model.layers):
-            args = (h_BLD, position_ids_BL, cu_seqlens)
-            if self.recompute_blocks:
-                h_BLD = activation_checkpoint(block, *args, offload=self.offload, index=i)
-            else:
-                h_BLD = block(*args)
+        args = (position_ids_BL, cu_seqlens)
+        if not self.recompute_blocks:
+            for block in self.model.layers:
+                h_BLD = block(h_BLD, *args)
+            return self.model.norm(h_BLD)
+        m, blocks = int(self.recompute_blocks), list(self.model.layers)
+        for j, start in enumerate(range(0, len(blocks), m)):  # checkpoint j: m blocks
+            offload = (
+                self.offload if self.offload is not None and j < self.offload.n_inputs else None
+            )
+            h_BLD = activation_checkpoint(
+                blocks[start : start + m], h_BLD, *args, offload=offload, index=j
+            )
         return self.model.norm(h_BLD)
 
     def forward(self, input_ids_BL, position_ids_BL, labels_BL=None, *, cu_seqlens=None):

@@ -1,7 +1,7 @@
 """Activation offload: the checkpointed block inputs live in host memory between forward and
 backward, copied on a side stream, and each comes back when its block's backward starts.
 
-One `Offloader(n_blocks)` serves all the blocks of a model (`CausalLM.offload`, set by
+One `Offloader` serves all the blocks of a model (`CausalLM.offload`, set by
 `upipe.train.apply_memory_features` when training on CUDA);
 `upipe.model.features.activation_checkpoint` calls it. Forward, block i: `save(x_i, i)`
 copies its input into slot i of a host arena.
@@ -12,11 +12,19 @@ x_i (`features._Checkpoint`): the block's first norm, which saves it, gets it th
 at long context -- so that peak holds no block input at all. A block's input is copied back
 twice, the host slot read twice (see the cost below).
 
-Host memory: one arena per model, `n_blocks` slots of one block input, allocated at its exact
-size on the first step and reused by every step (a new one only if the block input's shape or
-dtype changes; the old one is freed first):
+Segments (`CausalLM.recompute_blocks = m > 1`): one checkpoint is m consecutive blocks, so
+only the segment's input is saved; its backward recomputes the inputs of its other m - 1
+blocks once, copies each to a scratch slot (the same m - 1 slots serve every segment),
+and then runs the blocks' backwards as above, each block's input coming from its slot.
+The last K checkpoints may stay on the device (`CausalLM.hidden` offloads the first
+n_inputs of them only): they are the first needed in backward, and need no slot.
 
-    host bytes = n_blocks * B * L * D * element_size
+Host memory: one arena per model, n_inputs + scratch slots of one block input, allocated at
+its exact size on the first step and reused by every step (a new one only if the block
+input's shape or dtype changes; the old one is freed first):
+
+    host bytes = (n_inputs + scratch) * B * L * D * element_size
+    n_inputs = ceil(n_blocks / m) - K,  scratch = m - 1  (K checkpoints kept on the device)
 
 (Llama3-8B, 8 GPUs, 7.08M tokens: 32 * 884,736 * 4096 * 2 bytes = 216 GiB per GPU), which
 is what `upipe plan` counts (`upipe.planner.step`: the arena on the meta device). Why not
@@ -76,30 +84,37 @@ import torch
 
 
 class Offloader:
-    """Host slots for the inputs of `n_blocks` checkpointed blocks on `host` (the CPU; the
-    planner's simulation uses the meta device), with the copies scheduled as in the module doc.
+    """Host slots for `n_inputs` checkpointed inputs (one per checkpoint: a block, or a
+    segment of blocks) and `scratch` more for the inputs a segment recomputes in its
+    backward (`features._Checkpoint`: slots n_inputs, ..., n_inputs + scratch - 1, reused by
+    every segment), on `host` (the CPU; the planner's simulation uses the meta device), with
+    the copies scheduled as in the module doc.
 
-    Each block input serves one backward, which may `load` it more than once and then
-    `release`s the slot; a forward that writes a slot again before the earlier backward
-    released it makes that backward's `load` raise.
+    Each input serves one backward, which may `load` it more than once and then `release`s
+    the slot; a forward that writes a slot again before the earlier backward released it
+    makes that backward's `load` raise.
     """
 
-    def __init__(self, n_blocks: int, host: str | torch.device = "cpu"):
-        if n_blocks < 1:
-            raise ValueError(f"n_blocks must be >= 1 (one slot per block), got {n_blocks}")
-        self.n_blocks, self.host = n_blocks, torch.device(host)
+    def __init__(self, n_inputs: int, host: str | torch.device = "cpu", *, scratch: int = 0):
+        if n_inputs < 1 or scratch < 0:
+            raise ValueError(
+                f"n_inputs must be >= 1 (one slot per checkpointed input) and scratch >= 0, "
+                f"got {n_inputs}, {scratch}"
+            )
+        self.n_inputs, self.scratch, self.host = n_inputs, scratch, torch.device(host)
+        self.n_slots = n_inputs + scratch
         self.arena: torch.Tensor | None = None
-        """`[n_blocks * B * L * D]` on `host`: slot i holds block i's input."""
-        self._slot: tuple[torch.Size, torch.dtype] | None = None  # the block input's shape, dtype
-        self._owner: list[object | None] = [None] * n_blocks  # the token whose input a slot holds
+        """`[n_slots * B * L * D]` on `host`: slot i holds checkpoint i's input."""
+        self._slot: tuple[torch.Size, torch.dtype] | None = None  # the input's shape, dtype
+        self._owner: list[object | None] = [None] * self.n_slots  # the token a slot holds
         self._stream = None  # CUDA side stream of the copies
         self._unpin = None  # unregisters the arena (CUDA)
 
     def save(self, x_BLD: torch.Tensor, index: int) -> object:
-        """Forward of block `index`: copy its input into slot `index`; returns the token that
-        `load` takes back."""
-        if not 0 <= index < self.n_blocks:
-            raise ValueError(f"block index {index} out of range for {self.n_blocks} blocks")
+        """Forward of checkpoint `index` (or a segment's backward, for a scratch slot): copy
+        its input into slot `index`; returns the token that `load` takes back."""
+        if not 0 <= index < self.n_slots:
+            raise ValueError(f"slot index {index} out of range for {self.n_slots} slots")
         if x_BLD.is_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(x_BLD.device)
         if self._slot != (x_BLD.shape, x_BLD.dtype):
@@ -109,7 +124,7 @@ class Offloader:
         return token
 
     def load(self, token: object, index: int, device: torch.device) -> torch.Tensor:
-        """Backward of block `index`: its input on `device`, ready to use on the current stream
+        """Backward of checkpoint `index`: its input on `device`, ready to use on the current stream
         (a new copy at each call)."""
         if self._owner[index] is not token:
             raise RuntimeError(
@@ -122,7 +137,7 @@ class Offloader:
         return x_BLD
 
     def release(self, token: object, index: int) -> None:
-        """End of block `index`'s backward: its slot may be written again."""
+        """End of checkpoint `index`'s backward: its slot may be written again."""
         if self._owner[index] is token:
             self._owner[index] = None
 
@@ -136,8 +151,8 @@ class Offloader:
         if self._unpin is not None:
             self._unpin()
         self.arena = self._unpin = None
-        self._owner = [None] * self.n_blocks
-        self.arena = torch.empty(self.n_blocks * like.numel(), dtype=like.dtype, device=self.host)
+        self._owner = [None] * self.n_slots
+        self.arena = torch.empty(self.n_slots * like.numel(), dtype=like.dtype, device=self.host)
         self._slot = (like.shape, like.dtype)
         if self._stream is not None:
             self._unpin = _pin(self, self.arena, self._stream)

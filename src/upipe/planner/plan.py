@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 
@@ -33,7 +34,7 @@ GiB = 2**30
 # 3 and 4 match the full depth exactly (tests/test_plan.py, docs/plan.md)
 EXTRAPOLATION_DEPTHS = (3, 4)
 GROWTH = 16  # the search's longest jump beyond a length known to fit
-FEATURES = ("mlp", "loss", "recompute", "offload")  # the memory features, by --features name
+FEATURES = ("mlp", "loss", "recompute", "offload")  # the memory features "on" turns on
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -49,7 +50,8 @@ class PlanConfig:
     reserve_gib: float = 5.0
     """Memory per GPU that tensors cannot use (CUDA context, NCCL buffers, fragmentation)."""
     host_memory_gib: float = 256.0
-    """Host memory per GPU for the offloaded block inputs, in GiB (256: 2 TiB per 8-GPU
+    """Host memory per GPU for the offloaded block inputs (and with fsdp-offload the sharded
+    parameters, gradients and optimizer states), in GiB (256: 2 TiB per 8-GPU
     node; 128 for 1 TiB; inf: unlimited, the need is only reported)."""
     device: str = dataclasses.field(default="cuda", metadata={"choices": ("cuda", "cpu")})
     """The platform planned: cuda charges the CUDA kernels' memory (flash-attn's backward
@@ -67,8 +69,10 @@ class PlanConfig:
     of the ulysses size). Default: the ulysses size C (one head per rank per stage) and 2C."""
     features: tuple[str, ...] = ("off", "on")
     """Memory feature sets to plan: off, on (all four), or some of mlp (tiled MLP), loss
-    (chunked loss), recompute (activation checkpointing), offload joined by '+', e.g.
-    mlp+loss+recompute."""
+    (chunked loss), recompute (activation checkpointing), offload, on, ckpt<m> (m blocks per
+    checkpoint), gpu<K> (the last K checkpoints' inputs stay on the GPU), fsdp-offload (FSDP2's
+    sharded parameters, gradients and optimizer states in host memory) joined by '+', e.g.
+    mlp+loss+recompute or on+ckpt2."""
     mlp_tile: int = 16384
     """Tokens per MLP tile (with features)."""
     loss_chunk: int = 8192
@@ -96,6 +100,19 @@ class PlanConfig:
     """Write the results here (JSON)."""
     plot: str | None = None
     """Write peak memory vs sequence length per strategy here (PNG)."""
+
+
+def extrapolation_depths(cfg: TrainConfig, n_layers: int) -> tuple[int, int]:
+    """The two depths to simulate for `cfg`: `EXTRAPOLATION_DEPTHS` in checkpoints rather
+    than blocks (m blocks per checkpoint), plus the K checkpoints kept on the GPU, plus the
+    n_layers mod m blocks of the model's last, shorter checkpoint -- so that both depths
+    differ from the model only by whole interior checkpoints, offloaded ones with offload:
+
+        depths = ((3 + K) m + r, (4 + K) m + r),  r = n_layers mod m
+    """
+    m = cfg.blocks_per_checkpoint if cfg.activation_checkpoint else 1
+    keep, r = cfg.keep_on_gpu if cfg.offload else 0, n_layers % m
+    return tuple((n + keep) * m + r for n in EXTRAPOLATION_DEPTHS)
 
 
 def max_fitting(peak: Callable[[int], float], budget: float, step: int, max_len: int):
@@ -145,18 +162,37 @@ def max_fitting(peak: Callable[[int], float], budget: float, step: int, max_len:
     return lo * step, seen
 
 
-def feature_set(name: str) -> tuple[str, ...]:
-    """The memory features of a --features entry: off, on, or names joined by '+'."""
-    if name in ("off", "on"):
-        return FEATURES if name == "on" else ()
-    names = tuple(name.split("+"))
-    unknown = [n for n in names if n not in FEATURES]
-    if unknown:
-        raise ValueError(
-            f"--features {name!r}: unknown {unknown}; use off, on, or some of "
-            f"{', '.join(FEATURES)} joined by '+' (e.g. mlp+loss+recompute)"
-        )
-    return names
+def feature_set(name: str, pc: PlanConfig | None = None) -> dict:
+    """The TrainConfig fields of a --features entry: off, on (the four memory features), or
+    names joined by '+': mlp, loss, recompute, offload, on, and ckpt<m> (m blocks per
+    checkpoint; needs recompute), gpu<K> (the last K checkpoints' inputs kept on the GPU;
+    needs offload). `pc` gives the tile and chunk sizes (default: PlanConfig's)."""
+    pc = pc or PlanConfig()
+    kw = {"activation_checkpoint": False, "offload": False}
+    if name == "off":
+        return kw
+    for token in name.split("+"):
+        counted = re.fullmatch(r"(ckpt|gpu)([1-9][0-9]*)", token)
+        if token in ("on", "mlp"):
+            kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile)
+        if token in ("on", "loss"):
+            kw.update(chunked_loss=True, loss_chunk=pc.loss_chunk)
+        if token in ("on", "recompute"):
+            kw["activation_checkpoint"] = True
+        if token in ("on", "offload"):
+            kw["offload"] = True
+        if token == "fsdp-offload":
+            kw["fsdp_offload"] = True
+        if counted:
+            field = "blocks_per_checkpoint" if counted[1] == "ckpt" else "keep_on_gpu"
+            kw[field] = int(counted[2])
+        elif token not in ("on", "fsdp-offload", *FEATURES):
+            raise ValueError(
+                f"--features {name!r}: unknown {token!r}; use off, on, or some of "
+                f"{', '.join(FEATURES)}, on, ckpt<m>, gpu<K>, fsdp-offload joined by '+' (e.g. "
+                "mlp+loss+recompute, on+ckpt2)"
+            )
+    return kw
 
 
 def _step(pc: PlanConfig) -> int:
@@ -198,13 +234,8 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                 if U is not None:
                     kw["heads_per_stage"] = U
                     label = f"{strategy} U={U}"
-                on = feature_set(feat)
-                if "mlp" in on:
-                    kw.update(tiled_mlp=True, mlp_tile=pc.mlp_tile)
-                if "loss" in on:
-                    kw.update(chunked_loss=True, loss_chunk=pc.loss_chunk)
-                kw.update(activation_checkpoint="recompute" in on, offload="offload" in on)
-                if on:
+                kw.update(feature_set(feat, pc))
+                if feat != "off":
                     label += " +features" if feat == "on" else f" +{feat}"
                 cfg = TrainConfig(**kw, plot=None)
                 rows.append((label, kw, validate(cfg, pc.gpus, model)))
@@ -259,7 +290,7 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     """The longest fitting sequence of one candidate, with the peaks measured on the way."""
     cfg = TrainConfig(**kw, plot=None)
     step = _step(pc)
-    depths = EXTRAPOLATION_DEPTHS if pc.extrapolate else None
+    depths = extrapolation_depths(cfg, model.n_layers) if pc.extrapolate else None
     host_budget = pc.host_memory_gib * GiB
     mems, start = {}, time.perf_counter()
     with StepSimulator(cfg, pc.gpus, model, depths=depths, kernels=pc.device) as sim:

@@ -85,6 +85,7 @@ from upipe.torch_private import (
 )
 from upipe.train.config import DTYPES, validate
 from upipe.train.loop import Trainer
+from upipe.train.parallelize import make_offloader
 
 HOST_DEVICE = "meta"  # where simulated offload copies live (counted as host memory)
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -424,7 +425,7 @@ class StepSimulator:
         if cfg.fsdp_offload and self.kernels == "cuda":  # (on the CPU all of it is the host)
             _offload_fsdp_state(trainer, mem)
         if cfg.offload and self.kernels == "cuda":  # upipe train offloads only from CUDA
-            trainer.model.offload = Offloader(n_layers, host=HOST_DEVICE)
+            trainer.model.offload = make_offloader(n_layers, cfg.features(), HOST_DEVICE)
         trainer.batch = types.MethodType(_synthetic_batch, trainer)
         # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
         with _kernels(self.kernels):
@@ -493,7 +494,8 @@ def _measure(trainer, seq_len: int, explain: bool = False) -> StepMemory:
     if trainer.model.offload is not None:
         # a fresh arena: the previous length's must not count as host memory held before
         # the step (a real run frees the old arena before allocating the new one)
-        trainer.model.offload = Offloader(trainer.model.offload.n_blocks, host=HOST_DEVICE)
+        n_inputs, scratch = trainer.model.offload.n_inputs, trainer.model.offload.scratch
+        trainer.model.offload = Offloader(n_inputs, HOST_DEVICE, scratch=scratch)
     mem = trainer.tracker
     persistent = mem.current_bytes
     mem.peak_bytes, mem.phase_peak_bytes, mem.host_peak_bytes = persistent, {}, mem.host_bytes

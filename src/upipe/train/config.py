@@ -89,9 +89,16 @@ class TrainConfig:
     """Tokens per cross-entropy chunk."""
     activation_checkpoint: bool = False
     """Activation checkpointing per block (keep only block inputs, recompute the rest)."""
+    blocks_per_checkpoint: int = 1
+    """With --activation-checkpoint: checkpoint this many consecutive blocks as one (keep
+    one input per m blocks; in backward the other m - 1 are recomputed once more and held,
+    on the host with --offload)."""
     offload: bool = False
     """Keep the checkpointed block inputs in host memory (CUDA only; needs
     --activation-checkpoint)."""
+    keep_on_gpu: int = 0
+    """With --offload: keep the inputs of the last K checkpoints on the GPU (less host
+    memory, more GPU memory)."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer states over all ranks (FSDP2)."""
     fsdp_offload: bool = False
@@ -141,7 +148,9 @@ class TrainConfig:
             tiled_mlp=self.mlp_tile if self.tiled_mlp else None,
             loss_chunk=self.loss_chunk if self.chunked_loss else None,
             activation_checkpoint=self.activation_checkpoint,
+            blocks_per_checkpoint=self.blocks_per_checkpoint,
             offload=self.offload,
+            keep_on_gpu=self.keep_on_gpu,
         )
 
 
@@ -223,6 +232,19 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
     if cfg.offload and not cfg.activation_checkpoint:
         return (
             "--offload keeps the checkpointed block inputs on the host; add --activation-checkpoint"
+        )
+    per, keep = cfg.blocks_per_checkpoint, cfg.keep_on_gpu
+    checkpoints = -(-m.n_layers // max(per, 1))  # ceil(n_layers / blocks per checkpoint)
+    if per < 1 or keep < 0:
+        return f"--blocks-per-checkpoint must be >= 1 and --keep-on-gpu >= 0, got {per}, {keep}"
+    if per > 1 and not cfg.activation_checkpoint:
+        return f"--blocks-per-checkpoint {per} needs --activation-checkpoint"
+    if keep and not cfg.offload:
+        return f"--keep-on-gpu {keep} keeps some offloaded inputs on the GPU: it needs --offload"
+    if keep >= checkpoints:
+        return (
+            f"--keep-on-gpu {keep} keeps all {checkpoints} checkpoints ({m.n_layers} blocks / "
+            f"{per} per checkpoint) on the GPU: use at most {checkpoints - 1}, or drop --offload"
         )
     if cfg.fsdp_offload and not cfg.fsdp:
         return (

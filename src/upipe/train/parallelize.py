@@ -104,9 +104,14 @@ class MemoryFeatures:
     loss_chunk: int | None = None
     """Compute the cross-entropy this many tokens at a time (no [L, V] logits)."""
     activation_checkpoint: bool = False
-    """Activation checkpointing per block (only each block's input is kept)."""
+    """Activation checkpointing (only each checkpoint's input is kept)."""
+    blocks_per_checkpoint: int = 1
+    """Blocks per checkpoint m: one input saved per m blocks, m - 1 more recomputed and held
+    during the checkpoint's backward (`upipe.model.features._Checkpoint`)."""
     offload: bool = False
-    """Keep the checkpointed block inputs in host memory (CUDA; needs activation_checkpoint)."""
+    """Keep the checkpointed inputs in host memory (CUDA; needs activation_checkpoint)."""
+    keep_on_gpu: int = 0
+    """With offload: the inputs of the last K checkpoints stay on the device."""
 
 
 def apply_memory_features(model: CausalLM, features: MemoryFeatures, device) -> CausalLM:
@@ -118,11 +123,27 @@ def apply_memory_features(model: CausalLM, features: MemoryFeatures, device) -> 
     for block in model.model.layers:
         block.mlp.tile_tokens = features.tiled_mlp
     model.loss_chunk_tokens = features.loss_chunk
-    model.recompute_blocks = features.activation_checkpoint
+    model.recompute_blocks = features.activation_checkpoint and features.blocks_per_checkpoint
     on_device = torch.device(device).type not in ("cpu", "meta")
     offload = features.offload and on_device  # (on the CPU the inputs are in host memory already)
-    model.offload = Offloader(len(model.model.layers)) if offload else None
+    model.offload = make_offloader(len(model.model.layers), features) if offload else None
     return model
+
+
+def make_offloader(n_layers: int, features: MemoryFeatures, host="cpu") -> Offloader:
+    """The offloader of `features` for `n_layers` blocks: a slot for each checkpoint but the
+    last K, and m - 1 scratch slots (m blocks per checkpoint):
+
+        n_inputs = ceil(n_layers / m) - K,  scratch = m - 1
+    """
+    m = features.blocks_per_checkpoint
+    n_inputs = -(-n_layers // m) - features.keep_on_gpu
+    if n_inputs < 1:
+        raise ValueError(
+            f"keep_on_gpu {features.keep_on_gpu} keeps every one of the {-(-n_layers // m)} "
+            "checkpoints on the device: keep fewer, or turn offload off"
+        )
+    return Offloader(n_inputs, host, scratch=m - 1)
 
 
 def apply_fsdp(
