@@ -125,3 +125,19 @@ def test_simulated_offload_step_equals_a_real_one_on_cpu(clusters):
         activation_checkpoint=True,
     )  # fmt: skip
     assert_simulated_peak_equals_real(clusters, cfg)
+
+
+def test_plan_feature_token():
+    """`upipe plan --features on+fsdp-offload`: the four memory features and the offload of
+    FSDP's state; without --fsdp the candidate is refused with the fix."""
+    from upipe.model import get_config
+    from upipe.planner.plan import PlanConfig, candidates, feature_set
+
+    kw = feature_set("on+fsdp-offload")
+    assert kw["fsdp_offload"] and kw["offload"] and kw["activation_checkpoint"]
+    assert "fsdp_offload" not in feature_set("on")
+    pc = PlanConfig(model="tiny", gpus=2, strategies=("ulysses",), features=("on+fsdp-offload",))
+    ((label, _, problem),) = candidates(pc, get_config("tiny"))
+    assert label == "ulysses +on+fsdp-offload" and problem is None
+    ((_, _, problem),) = candidates(dataclasses.replace(pc, fsdp=False), get_config("tiny"))
+    assert "add --fsdp" in problem
