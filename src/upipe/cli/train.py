@@ -73,7 +73,8 @@ OPTION_GROUPS = {
     ),
     "precision": ("dtype", "master_dtype"),
     "memory features": (
-        "tiled_mlp", "mlp_tile", "chunked_loss", "loss_chunk", "activation_checkpoint", "offload",
+        "tiled_mlp", "mlp_tile", "chunked_loss", "loss_chunk", "activation_checkpoint",
+        "blocks_per_checkpoint", "offload", "keep_on_gpu",
     ),
     "evaluation": ("eval_every", "eval_batches", "eval_fraction"),
     "logging": ("metrics_file", "tensorboard", "plot"),
