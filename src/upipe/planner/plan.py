@@ -67,8 +67,13 @@ class PlanConfig:
     heads_per_stage: tuple[int, ...] = ()
     """UPipe candidates' heads per stage U (as `upipe train --heads-per-stage`; multiples
     of the ulysses size). Default: the ulysses size C (one head per rank per stage) and 2C."""
-    features: tuple[str, ...] = ("off", "on")
-    """Memory feature sets to plan: off, on (all four), or some of mlp (tiled MLP), loss
+    upipe_rings: tuple[int, ...] = ()
+    """Ring degrees R of the upipe candidates (each stage a ring attention over R ranks,
+    Ulysses over gpus / R). Default: 1, and with more than 8 GPUs also gpus / 8 (Ulysses
+    inside an 8-GPU node, the ring across nodes, as USP)."""
+    features: tuple[str, ...] = ("off", "on", "on+ckpt2+fsdp-offload")
+    """Memory feature sets to plan (default: none; the four; the four with checkpoints of 2
+    blocks and FSDP2's states in host memory): off, on (all four), or some of mlp (tiled MLP), loss
     (chunked loss), recompute (activation checkpointing), offload, on, ckpt<m> (m blocks per
     checkpoint), gpu<K> (the last K checkpoints' inputs stay on the GPU), fsdp-offload (FSDP2's
     sharded parameters, gradients and optimizer states in host memory) joined by '+', e.g.
@@ -202,14 +207,18 @@ def _step(pc: PlanConfig) -> int:
 
 
 def _stage_candidates(pc: PlanConfig, spec, model) -> tuple:
-    """The heads per stage to plan for a strategy: `pc.heads_per_stage`, by default C and 2C
-    (C: the strategy's ulysses size); (None,) for strategies without stages."""
+    """(ring degree, heads per stage) pairs to plan for a strategy: for upipe each of
+    `pc.upipe_rings` with each of `pc.heads_per_stage`, by default C and 2C (C = gpus / ring,
+    the ulysses size); (None, None) for strategies without stages."""
     if not spec.heads_per_stage:
-        return (None,)
-    if pc.heads_per_stage:
-        return pc.heads_per_stage
-    uly = TrainConfig(strategy=spec.name, nproc=pc.gpus, plot=None).degrees(pc.gpus)[2]
-    return tuple(heads for heads in (uly, 2 * uly) if heads <= model.n_heads)
+        return ((None, None),)
+    rings = pc.upipe_rings or ((1, pc.gpus // 8) if pc.gpus > 8 and pc.gpus % 8 == 0 else (1,))
+    pairs = []
+    for ring in rings:
+        uly = pc.gpus // ring
+        U = pc.heads_per_stage or tuple(h for h in (uly, 2 * uly) if h <= model.n_heads)
+        pairs += [(ring, heads) for heads in U]
+    return tuple(pairs)
 
 
 def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
@@ -217,7 +226,7 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     rows = []
     for strategy in pc.strategies:
         spec = get_strategy(strategy)
-        for U in _stage_candidates(pc, spec, model):
+        for ring, U in _stage_candidates(pc, spec, model):
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
                 kw["master_dtype"] = pc.master_dtype
@@ -234,6 +243,9 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                 if U is not None:
                     kw["heads_per_stage"] = U
                     label = f"{strategy} U={U}"
+                if ring and ring > 1:
+                    kw["ring"] = ring
+                    label = f"{strategy} {ring}x{pc.gpus // ring} U={U}"
                 kw.update(feature_set(feat, pc))
                 if feat != "off":
                     label += " +features" if feat == "on" else f" +{feat}"
