@@ -13,7 +13,14 @@ from upipe.cli import build_parser, main
 from upipe.cli.options import config_from_args
 from upipe.model import CausalLM, get_config
 from upipe.planner.plan import PlanConfig
-from upipe.planner.recommend import RecommendConfig, recommend, table, torchrun_command
+from upipe.planner.recommend import (
+    TIE,
+    RecommendConfig,
+    _pick,
+    recommend,
+    table,
+    torchrun_command,
+)
 from upipe.planner.step import StepSimulator
 from upipe.planner.timing import H100, _count, count_step, get_hardware, predict
 from upipe.torch_private import FakeTensorMode
@@ -145,12 +152,25 @@ def test_recommend_picks_the_fastest_that_fits(recommended):
     both, tight, rc = recommended
     rows = {r["strategy"]: r for r in both["candidates"]}
     assert all(r["fits"] for r in rows.values()) and len(rows) == 2
-    assert both["pick"] == min(rows, key=lambda s: rows[s]["seconds"]["step"])
+    step = {s: r["seconds"]["step"] for s, r in rows.items()}
+    assert both["fastest"] == min(step, key=step.get) == both["candidates"][0]["strategy"]
+    slow, fast = sorted(step, key=step.get, reverse=True)
+    assert step[slow] > (1 + TIE) * step[fast]  # not a tie: the pick is the faster one
+    assert both["pick"] == fast
     small = min(rows, key=lambda s: rows[s]["peak_bytes"])
     assert tight["pick"] == small  # the other does not fit, whatever its speed
     other = next(r for r in tight["candidates"] if r["strategy"] != small)
-    assert not other["fits"] and "device peak" in other["reason"]
-    assert f"pick: {tight['pick']}\n{tight['command']}" in table(tight)
+    assert not other["fits"] and "device peak" in other["reason"] and "seconds" not in other
+    assert f"pick: {tight['pick']}" in table(tight) and tight["command"] in table(tight)
+
+
+def test_within_a_tie_the_pick_has_more_headroom():
+    rows = [
+        {"strategy": "a", "seconds": {"step": 100.0}, "peak_bytes": 70},
+        {"strategy": "b", "seconds": {"step": 100.5}, "peak_bytes": 30},
+        {"strategy": "c", "seconds": {"step": 102.0}, "peak_bytes": 10},
+    ]
+    assert _pick(rows)["strategy"] == "b" and _pick([]) is None
 
 
 def _parsed(command: str, gpus: int):

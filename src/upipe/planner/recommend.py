@@ -6,10 +6,11 @@ feature sets, by default `GRID`) at `--seq-len` N:
 - does it fit: one simulated step at N (`StepSimulator`, as `upipe plan` searches: loops cut
   short, depth extrapolated), device peak <= GPU memory - reserve and host bytes <= the host
   budget;
-- how fast: the step's exact counts (`timing.count_step`) through the time model of the
-  chosen GPU (`timing.predict`); tokens/s = B * N * dp / step time.
+- how fast, if it fits: the step's exact counts (`timing.count_step`) through the time
+  model of the chosen GPU (`timing.predict`); tokens/s = B * N * dp / step time.
 The pick is the fitting candidate with the shortest predicted step (never one that does not
-fit); its `torchrun ... -m upipe.train ...` command carries every option that differs from
+fit), or, among those within 1% of it, the one with the most device memory to spare; its
+`torchrun ... -m upipe.train ...` command carries every option that differs from
 `upipe train`'s defaults, plus the ones a reader looks for (device, model, strategy, length,
 dtype, FSDP). Candidates run `pc.jobs` at a time, each in a process of its own (the
 simulator needs the process's default process group).
@@ -32,6 +33,7 @@ GiB = plan.GiB
 # memory feature sets tried by default (as --features): from none to all, each trading time
 # (recomputation, host copies) for memory
 GRID = ("off", "mlp+loss", "loss+recompute", "mlp+loss+recompute", "loss+recompute+offload", "on")
+TIE = 0.01  # predicted steps this close to the fastest count as as fast (`_pick`)
 # options the printed command always names, first, in this order
 SHOWN = ("device", "model", "strategy", "seq_len", "dtype", "fsdp")
 
@@ -100,28 +102,46 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
                 futures[future].update(future.result())
                 if progress:
                     progress(futures[future]["strategy"])
-    for row in todo:
+    fit = [r for r in todo if r["fits"]]
+    for row in fit:
         cfg = TrainConfig(**row["train_config"], plot=None)
         row["seconds"] = predict(row["counts"], hw)
         dp = cfg.degrees(pc.gpus)[0]
         row["tokens_per_s"] = cfg.batch_size * N * dp / row["seconds"]["step"]
-    todo.sort(key=lambda r: (not r["fits"], r["seconds"]["step"]))
-    rows = todo + [r for r in rows if r["problem"]]
-    pick = next((r for r in todo if r["fits"]), None)
+    fit.sort(key=lambda r: r["seconds"]["step"])
+    rows = (
+        fit
+        + sorted((r for r in todo if not r["fits"]), key=lambda r: r["peak_bytes"])
+        + [r for r in rows if r["problem"]]
+    )
+    pick = _pick(fit)
     out = {
         "config": dataclasses.asdict(pc),
         "seq_len": N,
         "hardware": dataclasses.asdict(hw),
         "budget_bytes": budget,
         "candidates": rows,
+        "fastest": fit[0]["strategy"] if fit else None,
         "pick": pick and pick["strategy"],
         "command": pick and torchrun_command(pick["train_config"], pc.gpus, N, hw.gpus_per_node),
     }
     return out
 
 
+def _pick(fit: list[dict]) -> dict | None:
+    """Of the fitting candidates, fastest first: the one with the smallest device peak among
+    those within `TIE` of the fastest predicted step (the model does not resolve smaller
+    differences -- it leaves out launch overheads and the like -- and the planner's peaks are
+    an upper bound for the reserve: headroom is worth more)."""
+    if not fit:
+        return None
+    near = [r for r in fit if r["seconds"]["step"] <= (1 + TIE) * fit[0]["seconds"]["step"]]
+    return min(near, key=lambda r: r["peak_bytes"])
+
+
 def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) -> dict:
-    """One candidate at N: its memory (fits, and why not) and its exact counts."""
+    """One candidate at N: its memory (fits, and why not) and, if it fits, its exact
+    counts (a candidate that cannot run is not timed: that would double the search)."""
     start = time.perf_counter()
     cfg = TrainConfig(**kw, plot=None)
     depths = plan.EXTRAPOLATION_DEPTHS if pc.extrapolate else None
@@ -132,20 +152,21 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
         too_much.append(f"device peak {m.peak_bytes / GiB:.1f} > {budget / GiB:g} GiB")
     if m.host_peak_bytes > host_budget:
         too_much.append(f"host {m.host_peak_bytes / GiB:.1f} > {host_budget / GiB:g} GiB")
+    row = {
+        "fits": not too_much,
+        "reason": "; ".join(too_much),
+        "peak_bytes": m.peak_bytes,
+        "host_bytes": m.host_peak_bytes,
+    }
+    if too_much:
+        return {**row, "simulated_s": round(time.perf_counter() - start, 2)}
     padded = padded_length(dataclasses.replace(cfg, seq_len=N), pc.gpus)
     # the planner's shortest searched length (a valid length of every candidate) as the unit
     counts = count_step(
         cfg, pc.gpus, model, padded, unit=kw["seq_len"], depths=plan.EXTRAPOLATION_DEPTHS,
         kernels=pc.device,
     )  # fmt: skip
-    return {
-        "fits": not too_much,
-        "reason": "; ".join(too_much),
-        "peak_bytes": m.peak_bytes,
-        "host_bytes": m.host_peak_bytes,
-        "counts": counts,
-        "simulated_s": round(time.perf_counter() - start, 2),
-    }
+    return {**row, "counts": counts, "simulated_s": round(time.perf_counter() - start, 2)}
 
 
 def torchrun_command(kw: dict, gpus: int, seq_len: int, gpus_per_node: int) -> str:
@@ -192,15 +213,23 @@ def table(res: dict) -> str:
         if r["problem"]:
             lines.append(f"{r['strategy']:34} {'n/a':>4}  {r['problem']}")
             continue
+        cells = f"{r['strategy']:34} {'yes' if r['fits'] else 'no':>4} "
+        cells += f"{r['peak_bytes'] / GiB:8.1f} {r['host_bytes'] / GiB:8.1f} "
+        if not r["fits"]:
+            lines.append(f"{cells}{'':>9} {'':>9} {'':>8} {'':>7} {'':>6} {'':>6}  {r['reason']}")
+            continue
         t = r["seconds"]
         lines.append(
-            f"{r['strategy']:34} {'yes' if r['fits'] else 'no':>4} "
-            f"{r['peak_bytes'] / GiB:8.1f} {r['host_bytes'] / GiB:8.1f} {t['step']:9.2f} "
-            f"{r['tokens_per_s']:9,.0f} {t['attention']:8.2f} {t['gemm']:7.2f} "
-            f"{t['all_to_all']:6.2f} {t['host_to_device']:6.2f}  {r['reason']}"
+            f"{cells}{t['step']:9.4g} {r['tokens_per_s']:9,.0f} {t['attention']:8.4g} "
+            f"{t['gemm']:7.3g} {t['all_to_all']:6.3g} {t['host_to_device']:6.3g}"
         )
     if res["pick"]:
-        lines.append(f"\npick: {res['pick']}\n{res['command']}")
+        why = (
+            ""
+            if res["pick"] == res["fastest"]
+            else f" (within {TIE:.0%} of the fastest, less memory)"
+        )
+        lines.append(f"\npick: {res['pick']}{why}\n{res['command']}")
     else:
         lines.append("\nno candidate fits: shorten --seq-len, add GPUs or host memory")
     return "\n".join(lines)
