@@ -195,7 +195,7 @@ def test_heads_per_stage_defaults_to_C_and_2C():
     "model,strategy,features,fsdp",
     [
         ("tiny-qwen3", "upipe", "mlp+loss+recompute", False),  # QK-norm, U = 2C
-        ("tiny", "ring", "loss+recompute", True),
+        ("tiny", "ring", "loss+recompute+ckpt2", True),  # one checkpoint of both blocks
     ],
 )
 def test_plan_on_cpu_predicts_a_real_run(clusters, model, strategy, features, fsdp):
