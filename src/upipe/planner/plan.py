@@ -345,23 +345,24 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
 
 def table(res: dict) -> str:
     """The results as a text table: max context, peak there, host RAM, top tensor."""
+    w = max([24] + [len(r["strategy"]) for r in res["strategies"]])  # the label column
     lines = [
         f"budget per GPU: {res['budget_bytes'] / GiB:.2f} GiB of tensors "
         f"({res['config']['gpu_memory_gib']} GiB - {res['config']['reserve_gib']} GiB reserve), "
         f"{res['config']['host_memory_gib']:g} GiB of host memory for offload "
         f"({res['config']['device']} kernels)",
-        f"{'strategy':24} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
+        f"{'strategy':{w}} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
     ]
     for r in res["strategies"]:
         if r["problem"]:
-            lines.append(f"{r['strategy']:24} {'n/a':>12}  {r['problem']}")
+            lines.append(f"{r['strategy']:{w}} {'n/a':>12}  {r['problem']}")
             continue
         S = r["max_seq_len"]
         pts = {p["seq_len"]: p for p in r["points"]}
         if not S:
             shortest = min(pts)
             lines.append(
-                f"{r['strategy']:24} {0:>12} {pts[shortest]['peak_bytes'] / GiB:>9.2f} "
+                f"{r['strategy']:{w}} {0:>12} {pts[shortest]['peak_bytes'] / GiB:>9.2f} "
                 f"{'':>9}  does not fit: this is the peak at {shortest:,} tokens"
             )
             continue
@@ -369,7 +370,7 @@ def table(res: dict) -> str:
         if r["limited_by"] != "device memory":
             top = f"({r['limited_by']}) {top}"
         lines.append(
-            f"{r['strategy']:24} {S:>12,} {pts[S]['peak_bytes'] / GiB:>9.2f} "
+            f"{r['strategy']:{w}} {S:>12,} {pts[S]['peak_bytes'] / GiB:>9.2f} "
             f"{r['host_bytes_at_max'] / GiB:>9.2f}  {top}"
         )
     return "\n".join(lines)
