@@ -95,14 +95,20 @@ def test_fsdp_bytes():
     """FSDP2, per step: each block's bf16 parameters all-gathered twice (forward, and again
     for its backward after resharding), the root's (embedding, final norm, head) once; the
     fp32 gradients of all reduce-scattered once. Shards are padded to equal rows: the
-    embedding's and the head's V = 257 rows to 258 on 2 ranks."""
-    counts = count_step(_config("ulysses"), C, MODEL, S, unit=UNIT, depths=(3, 4))
+    embedding's and the head's V = 257 rows to 258 on 2 ranks. With --fsdp-offload each fp32
+    shard is copied to the device before each all-gather, each gradient shard to the host,
+    and the optimizer step runs on host tensors."""
+    cfg = _config("ulysses", fsdp_offload=True)
+    counts = count_step(cfg, C, MODEL, S, unit=UNIT, depths=(3, 4))
     with FakeTensorMode():
         block = sum(p.numel() for p in CausalLM(MODEL).model.layers[0].parameters())
     D, V, n = MODEL.hidden_size, MODEL.vocab_size, MODEL.n_layers
     root = MODEL.num_params() - n * block + 2 * D * (-V % C)  # (padded)
     assert counts["all_gather@0,1"] == E * (2 * n * block + root)
     assert counts["reduce_scatter@0,1"] == 4 * (n * block + root)
+    assert counts["fsdp_host_to_device_bytes"] == 4 * (2 * n * block + root) // C
+    assert counts["fsdp_device_to_host_bytes"] == 4 * (n * block + root) // C
+    assert counts["host_compute_bytes"] > 0 == counts["host_to_device_bytes"]
 
 
 def test_fits_are_exact_at_a_fourth_length_and_full_depth():

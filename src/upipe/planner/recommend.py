@@ -32,7 +32,10 @@ from upipe.train.config import TrainConfig, padded_length, validate
 GiB = plan.GiB
 # memory feature sets tried by default (as --features): from none to all, each trading time
 # (recomputation, host copies) for memory
-GRID = ("off", "mlp+loss", "loss+recompute", "mlp+loss+recompute", "loss+recompute+offload", "on")
+GRID = (
+    *("off", "mlp+loss", "loss+recompute", "mlp+loss+recompute", "loss+recompute+offload"),
+    *("on", "on+gpu4", "on+ckpt2", "on+fsdp-offload", "on+ckpt2+fsdp-offload"),
+)
 TIE = 0.01  # predicted steps this close to the fastest count as as fast (`_pick`)
 # options the printed command always names, first, in this order
 SHOWN = ("device", "model", "strategy", "seq_len", "dtype", "fsdp")
@@ -43,8 +46,9 @@ class RecommendConfig:
     recommend: bool = False
     """Recommend the fastest configuration that fits at --seq-len: simulate every strategy x
     heads per stage x memory feature set (--features if given, else off, mlp+loss,
-    loss+recompute, mlp+loss+recompute, loss+recompute+offload, on), predict its step time
-    on --hardware, print the table and the torchrun command of the pick."""
+    loss+recompute, mlp+loss+recompute, loss+recompute+offload, on, on+gpu4, on+ckpt2,
+    on+fsdp-offload, on+ckpt2+fsdp-offload), predict its step time on --hardware, print the
+    table and the torchrun command of the pick."""
     seq_len: int | None = None
     """Tokens per sequence for --recommend."""
     hardware: str = dataclasses.field(default="h100", metadata={"choices": tuple(HARDWARE)})
@@ -144,8 +148,9 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
     counts (a candidate that cannot run is not timed: that would double the search)."""
     start = time.perf_counter()
     cfg = TrainConfig(**kw, plot=None)
-    depths = plan.EXTRAPOLATION_DEPTHS if pc.extrapolate else None
-    with StepSimulator(cfg, pc.gpus, model, depths=depths, kernels=pc.device) as sim:
+    depths = plan.extrapolation_depths(cfg, model.n_layers)
+    memory_depths = depths if pc.extrapolate else None
+    with StepSimulator(cfg, pc.gpus, model, depths=memory_depths, kernels=pc.device) as sim:
         m = sim.step(N, explain=True)
     too_much = []
     if m.peak_bytes > budget:
@@ -163,7 +168,7 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
     padded = padded_length(dataclasses.replace(cfg, seq_len=N), pc.gpus)
     # the planner's shortest searched length (a valid length of every candidate) as the unit
     counts = count_step(
-        cfg, pc.gpus, model, padded, unit=kw["seq_len"], depths=plan.EXTRAPOLATION_DEPTHS,
+        cfg, pc.gpus, model, padded, unit=kw["seq_len"], depths=depths,
         kernels=pc.device,
     )  # fmt: skip
     return {**row, "counts": counts, "simulated_s": round(time.perf_counter() - start, 2)}

@@ -63,7 +63,6 @@ from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import (
     flop_registry,
     sdpa_backward_flop_count,
@@ -72,6 +71,7 @@ from torch.utils.flop_counter import (
 )
 
 from upipe.memory.simulate import CollectiveLog
+from upipe.memory.tracker import _plain_tensors
 from upipe.planner import step as step_module
 from upipe.planner.step import HOST_DEVICE, StepSimulator
 
@@ -130,6 +130,8 @@ class _Counter(TorchDispatchMode):
     - "memory_bytes": every other op on the device that is not counted in FLOPs, a
       collective or an allocation: its inputs read, its outputs written, as one eager
       kernel does.
+    Bytes are those of the tensors holding memory: a DTensor's local shard, not its global
+    size (`memory.tracker._plain_tensors`).
     An op is classified when the next one starts (or at the end): by then the tracker above
     this mode has registered its outputs, so `is_host` knows where they live.
 
@@ -152,8 +154,7 @@ class _Counter(TorchDispatchMode):
             flops = _FORMULAS[packet](*args, **kwargs, out_val=out)
             self.counts[_CATEGORY.get(packet, "gemm_flops")] += flops
         elif not (func.is_view or packet in _FREE or func.namespace in ("c10d", "prim")):
-            read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            read, written = _plain_tensors((args, kwargs)), _plain_tensors(out)
             self.pending = (packet, read[1:] if packet in _WRITE_ONLY else read, written)
         return out
 
