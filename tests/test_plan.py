@@ -187,7 +187,9 @@ def test_heads_per_stage_defaults_to_C_and_2C():
         return [r[0] for r in candidates(pc, get_config("llama3-8b"))]
 
     assert labels(gpus=8) == ["upipe U=8", "upipe U=16"]
-    assert labels(gpus=32) == ["upipe U=32"]  # 2C = 64 > the model's 32 heads
+    # 2C = 64 > the model's 32 heads; beyond 8 GPUs also a ring across 8-GPU nodes
+    assert labels(gpus=32) == ["upipe U=32", "upipe 4x8 U=8", "upipe 4x8 U=16"]
+    assert labels(gpus=16, upipe_rings=(1,)) == ["upipe U=16", "upipe U=32"]
     assert labels(gpus=8, heads_per_stage=(16, 32)) == ["upipe U=16", "upipe U=32"]
 
 

@@ -91,7 +91,8 @@ def save_plot(
     if legend_below:
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="lower center", ncol=4, frameon=False, fontsize=8)
-        bottom = 0.12
+        rows = -(-len(labels) // 4)
+        bottom = (rows + 1) * 0.22 / fig.get_figheight()  # about 0.22 inch per legend row
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, bottom, 1, 1))

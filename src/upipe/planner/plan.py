@@ -377,16 +377,19 @@ def table(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> None:
-    """Peak memory vs sequence length per strategy, with the budget line (PNG, `upipe.plot`)."""
-    colors, series = {}, []  # one color per strategy; solid with the memory features
+    """Peak memory vs sequence length per strategy with memory features, with the budget
+    line (PNG, `upipe.plot`): one color per strategy, one line style per feature set (the
+    rows without features, all far left, are not drawn)."""
+    colors, styles, series = {}, {}, []
     for r in res["strategies"]:
-        if r.get("points"):
-            base = r["strategy"].split(" +")[0]
-            color = colors.setdefault(base, f"C{len(colors)}")
-            pts = sorted((p["seq_len"], p["peak_bytes"]) for p in r["points"])
-            style = {"fmt": ".-" if base != r["strategy"] else ".:", "color": color}
-            xs, ys = [s / 1e6 for s, _ in pts], [b / GiB for _, b in pts]
-            series.append(Series(label=r["strategy"], xs=xs, ys=ys, style=style))
+        base, _, feat = r["strategy"].partition(" +")
+        if not r.get("points") or not feat:
+            continue
+        color = colors.setdefault(base, f"C{len(colors)}")
+        fmt = styles.setdefault(feat, (".-", ".--", ".-.", ".:")[len(styles) % 4])
+        pts = sorted((p["seq_len"], p["peak_bytes"]) for p in r["points"])
+        xs, ys = [s / 1e6 for s, _ in pts], [b / GiB for _, b in pts]
+        series.append(Series(label=r["strategy"], xs=xs, ys=ys, style={"fmt": fmt, "color": color}))
     c, budget = res["config"], res["budget_bytes"] / GiB
     panel = Panel(
         series=series,
@@ -396,4 +399,4 @@ def plot(res: dict, path: str) -> None:
         ylim=(0, 1.5 * budget),
         hlines=[(budget, "budget")],
     )
-    save_plot(path, [panel], size=(7, 4.5))
+    save_plot(path, [panel], size=(12, 6.5), legend_below=True)
