@@ -225,8 +225,8 @@ def table(res: dict) -> str:
             continue
         t = r["seconds"]
         lines.append(
-            f"{cells}{t['step']:9.4g} {r['tokens_per_s']:9,.0f} {t['attention']:8.4g} "
-            f"{t['gemm']:7.3g} {t['all_to_all']:6.3g} {t['host_to_device']:6.3g}"
+            f"{cells}{t['step']:9,.1f} {r['tokens_per_s']:9,.0f} {t['attention']:8,.1f} "
+            f"{t['gemm']:7.1f} {t['all_to_all']:6.2f} {t['host_to_device']:6.2f}"
         )
     if res["pick"]:
         why = (
