@@ -211,14 +211,14 @@ def table(res: dict) -> str:
         f"{res['budget_bytes'] / GiB:g} GiB of tensors; {c['host_memory_gib']:g} GiB host "
         f"memory per GPU), {res['seq_len']:,} tokens per sequence; predicted by the "
         f"{hw['name']} time model (not validated on a GPU)",
-        f"{'candidate':34} {'fits':>4} {'peak GiB':>8} {'host GiB':>8} {'step s':>9} "
+        f"{'candidate':38} {'fits':>4} {'peak GiB':>8} {'host GiB':>8} {'step s':>9} "
         f"{'tokens/s':>9} {'attn s':>8} {'gemm s':>7} {'a2a s':>6} {'h2d s':>6}  why not",
     ]
     for r in res["candidates"]:
         if r["problem"]:
-            lines.append(f"{r['strategy']:34} {'n/a':>4}  {r['problem']}")
+            lines.append(f"{r['strategy']:38} {'n/a':>4}  {r['problem']}")
             continue
-        cells = f"{r['strategy']:34} {'yes' if r['fits'] else 'no':>4} "
+        cells = f"{r['strategy']:38} {'yes' if r['fits'] else 'no':>4} "
         cells += f"{r['peak_bytes'] / GiB:8.1f} {r['host_bytes'] / GiB:8.1f} "
         if not r["fits"]:
             lines.append(f"{cells}{'':>9} {'':>9} {'':>8} {'':>7} {'':>6} {'':>6}  {r['reason']}")
