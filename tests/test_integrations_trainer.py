@@ -44,6 +44,10 @@ def _train(model_dir, out: Path, *args, nproc=None):
     cmd += ["--output-dir", str(out), "--losses", str(out / "losses.json")]
     cmd += ["--steps", str(STEPS), "--optim", "sgd", "--lr", "0.1", "--timeout", "120", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if res.returncode and "terminate called without an active exception" in res.stderr:
+        # known, unexplained: under load a rank sometimes aborts in C++ at interpreter exit,
+        # after its work is done (about 1 run in 6-10, 2026-11-30/12-01): run once more
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     from transformers import AutoModelForCausalLM
 
