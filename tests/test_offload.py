@@ -32,32 +32,43 @@ def _batch(seq_len: int = S):
     return ids, torch.arange(seq_len).expand(B, -1)
 
 
+def _adamw_steps(model: CausalLM, steps: int, after_step=None):
+    """(losses, gradients) of `steps` AdamW steps on one batch; `after_step(model)` after each."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, pos = _batch()
+    losses, grads = [], []
+    for _ in range(steps):
+        loss = model(ids, pos, ids)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step:
+            after_step(model)
+    return losses, grads
+
+
+def _assert_same(ref, run):
+    """Bit for bit the same losses and gradients (`_adamw_steps`' results)."""
+    (ref_losses, ref_grads), (losses, grads) = ref, run
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    for g, want in zip(grads, ref_grads, strict=True):
+        assert all(torch.equal(g[n], want[n]) for n in want)
+
+
 def test_offload_trains_bit_identically_with_one_exact_arena():
     """Three AdamW steps: same losses and gradients, bit for bit, as checkpointing without
     offload; one arena of exactly n_blocks x B x L x D elements, reused every step, and after
     each backward no slot held."""
-    runs = []
-    for offload in (False, True):
-        model = _model(offload)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ids, pos = _batch()
-        losses, grads, arenas = [], [], []
-        for _ in range(3):
-            loss = model(ids, pos, ids)
-            loss.backward()
-            losses.append(loss.detach())
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if offload:
-                off = model.offload
-                arenas.append((off.arena.data_ptr(), off.arena.nbytes))
-                assert off._owner == [None] * N_LAYERS
-        runs.append((losses, grads))
-    (ref_losses, ref_grads), (losses, grads) = runs
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
-    for g, ref in zip(grads, ref_grads, strict=True):
-        assert all(torch.equal(g[n], ref[n]) for n in ref)
+    arenas = []
+
+    def arena(model):
+        off = model.offload
+        arenas.append((off.arena.data_ptr(), off.arena.nbytes))
+        assert off._owner == [None] * N_LAYERS
+
+    _assert_same(_adamw_steps(_model(False), 3), _adamw_steps(_model(True), 3, arena))
     D = get_config("tiny").hidden_size
     assert set(arenas) == {(arenas[0][0], N_LAYERS * B * S * D * 4)}
 
@@ -271,23 +282,9 @@ def test_segments_and_kept_inputs_train_bit_identically(m, offload, keep):
     and gradients, bit for bit, as one block per checkpoint without offload (the same
     kernels on the same inputs, only recomputed more often); the arena holds a slot per
     offloaded checkpoint plus m - 1 scratch slots, and no slot is held after a backward."""
-    runs = []
-    for model in (_model(False), _segmented(m, offload, keep)):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ids, pos = _batch()
-        losses, grads = [], []
-        for _ in range(2):
-            loss = model(ids, pos, ids)
-            loss.backward()
-            losses.append(loss.detach())
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        runs.append((losses, grads, model.offload))
-    (ref_losses, ref_grads, _), (losses, grads, off) = runs
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
-    for g, ref in zip(grads, ref_grads, strict=True):
-        assert all(torch.equal(g[n], ref[n]) for n in ref)
+    model = _segmented(m, offload, keep)
+    _assert_same(_adamw_steps(_model(False), 2), _adamw_steps(model, 2))
+    off = model.offload
     if offload:
         n_inputs = -(-N_LAYERS // m) - keep
         D = get_config("tiny").hidden_size

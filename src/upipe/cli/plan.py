@@ -42,16 +42,7 @@ def _handle(ns, parser) -> int:
         bar.set_postfix_str(f"{label} S={S} peak={peak / planner.GiB:.1f}GiB")
         bar.update()
 
-    try:
-        res = planner.plan(pc, progress)
-    except ValueError as e:
-        bar.close()
-        parser.error(str(e))
-    bar.close()
-    print(planner.table(res))
-    if pc.json:
-        with open(pc.json, "w") as f:
-            json.dump(res, f, indent=1)
+    res = _run(bar, parser, lambda: planner.plan(pc, progress), planner.table, pc.json)
     if pc.plot:
         planner.plot(res, pc.plot)
     return 0
@@ -70,14 +61,21 @@ def _recommend(pc, rc, parser) -> int:
         bar.set_postfix_str(label)
         bar.update()
 
+    _run(bar, parser, lambda: recommender.recommend(pc, rc, progress), recommender.table, pc.json)
+    return 0
+
+
+def _run(bar, parser, search, table, json_path):
+    """`search()` under the progress bar (a ValueError becomes the parser's error), then its
+    table printed and its results written to `json_path` if given."""
     try:
-        res = recommender.recommend(pc, rc, progress)
+        res = search()
     except ValueError as e:
         bar.close()
         parser.error(str(e))
     bar.close()
-    print(recommender.table(res))
-    if pc.json:
-        with open(pc.json, "w") as f:
+    print(table(res))
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
-    return 0
+    return res
