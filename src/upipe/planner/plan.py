@@ -254,10 +254,9 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     return rows
 
 
-def plan(pc: PlanConfig, progress=None) -> dict:
-    """Search every candidate of `pc` (`pc.jobs` at a time, each in a process of its own);
-    returns the JSON-ready results. `progress(label, S, peak_bytes)` is called after each
-    simulated step (one job) or each finished candidate (several jobs)."""
+def checked(pc: PlanConfig):
+    """The model `pc` plans (its preset, with --model-config's fields) and the device budget
+    in bytes (GPU memory - reserve), after checking `pc` (ValueError naming the fix)."""
     model = get_config(pc.model)
     if pc.model_config:
         with open(pc.model_config) as f:
@@ -271,6 +270,14 @@ def plan(pc: PlanConfig, progress=None) -> dict:
         raise ValueError("--master-dtype bfloat16 is less precise than --dtype float32")
     if pc.jobs < 1 or pc.batch_size < 1:
         raise ValueError(f"--jobs and --batch-size must be >= 1, got {pc.jobs}, {pc.batch_size}")
+    return model, budget
+
+
+def plan(pc: PlanConfig, progress=None) -> dict:
+    """Search every candidate of `pc` (`pc.jobs` at a time, each in a process of its own);
+    returns the JSON-ready results. `progress(label, S, peak_bytes)` is called after each
+    simulated step (one job) or each finished candidate (several jobs)."""
+    model, budget = checked(pc)
     out = {"config": dataclasses.asdict(pc), "budget_bytes": budget, "strategies": []}
     todo = []
     for label, kw, problem in candidates(pc, model):

@@ -19,11 +19,9 @@ simulator needs the process's default process group).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 
-from upipe.model import get_config
 from upipe.planner import plan
 from upipe.planner.step import StepSimulator
 from upipe.planner.timing import HARDWARE, count_step, get_hardware, predict
@@ -55,14 +53,6 @@ class RecommendConfig:
     """GPU whose rates the time model uses (--recommend; see upipe.planner.timing)."""
 
 
-def _model(pc: plan.PlanConfig):
-    model = get_config(pc.model)
-    if pc.model_config:
-        with open(pc.model_config) as f:
-            model = dataclasses.replace(model, **json.load(f))
-    return model
-
-
 def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
     """Every candidate of `pc` at `rc.seq_len` (fits?, counts, predicted time), the pick and
     its command, JSON-ready. `progress(label)` is called after each candidate."""
@@ -74,13 +64,8 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
             f"--recommend times bf16 compute (the presets' rates are bf16 GEMM and flash "
             f"attention): use --dtype bfloat16, not {pc.dtype}"
         )
-    budget, host_budget = (pc.gpu_memory_gib - pc.reserve_gib) * GiB, pc.host_memory_gib * GiB
-    if budget <= 0 or not host_budget > 0 or pc.jobs < 1:
-        raise ValueError(
-            f"need --gpu-memory-gib ({pc.gpu_memory_gib}) > --reserve-gib ({pc.reserve_gib}), "
-            f"--host-memory-gib ({pc.host_memory_gib}) > 0 and --jobs ({pc.jobs}) >= 1"
-        )
-    model = _model(pc)
+    model, budget = plan.checked(pc)
+    host_budget = pc.host_memory_gib * GiB
     rows, todo = [], []
     for label, kw, problem in plan.candidates(pc, model):
         problem = problem or validate(

@@ -72,7 +72,6 @@ from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
 from upipe.mesh import make_mesh
 from upipe.model import CausalLM, get_config
-from upipe.model.offload import Offloader
 from upipe.planner.sampled import sampled_loops
 from upipe.torch_private import (
     FakeTensor,
@@ -494,8 +493,8 @@ def _measure(trainer, seq_len: int, explain: bool = False) -> StepMemory:
     if trainer.model.offload is not None:
         # a fresh arena: the previous length's must not count as host memory held before
         # the step (a real run frees the old arena before allocating the new one)
-        n_inputs, scratch = trainer.model.offload.n_inputs, trainer.model.offload.scratch
-        trainer.model.offload = Offloader(n_inputs, HOST_DEVICE, scratch=scratch)
+        n_layers = len(trainer.model.model.layers)
+        trainer.model.offload = make_offloader(n_layers, trainer.cfg.features(), HOST_DEVICE)
     mem = trainer.tracker
     persistent = mem.current_bytes
     mem.peak_bytes, mem.phase_peak_bytes, mem.host_peak_bytes = persistent, {}, mem.host_bytes
