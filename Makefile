@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,hf,train,integrations,jax]'
 	touch $@
 
-.PHONY: train demo test lint
+.PHONY: train demo test test-explore lint
 train: $(VENV)/.installed
 	$(VENV)/bin/upipe train
 
@@ -24,4 +24,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# property tests on new random examples (the default run draws fixed ones): SEED=n
+SEED ?= 0
+test-explore: $(VENV)/.installed
+	$(PY) -m pytest -q -k property --hypothesis-profile=explore --hypothesis-seed=$(SEED)
