@@ -1,9 +1,10 @@
 """Loops whose iterations repeat the same memory.
 
-- Sequence tiles (`tile_starts`): each iteration of the tiled MLP's and the chunked loss's
-  loops (`upipe.model.features._TiledRecompute`, `upipe.loss._ChunkedCrossEntropy`, forward
-  and backward) allocates and frees the same buffers -- one tile's -- writes its slice of an
-  output allocated once and accumulates gradients in place. Only the first iteration can
+- Sequence tiles (`tile_starts`): each iteration of the tiled MLP's loops and of the chunked
+  loss's (`upipe.model.features._TiledRecompute` forward and backward,
+  `upipe.loss._FusedChunkedCrossEntropy` forward) allocates and frees the same buffers --
+  one tile's -- writes its slice of an output allocated once and accumulates gradients in
+  place. Only the first iteration can
   differ (it may allocate the output or a `.grad`), and the last, the only one that can be
   a partial tile, is no larger.
 - Ring steps (`ring_steps`, `upipe.attention.ring`): a step receives the next kv block (the

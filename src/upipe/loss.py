@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from upipe import loops
+from upipe.kernels import acc_dtype
 
 IGNORE_INDEX = -100
 
@@ -33,62 +34,100 @@ def cross_entropy_sum(
     *,
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    bias_V: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum over valid tokens of -log softmax(hidden @ weight.T)[label], in fp32.
+    """Sum over valid tokens of -log softmax(hidden @ weight.T + bias)[label], in fp32.
 
-    With `chunk_tokens` the logits are computed `chunk_tokens` rows at a time in forward and
-    recomputed the same way in backward, so the `[N, V]` logits (and their gradient) never
-    exist: peak extra memory is one `[chunk_tokens, V]` fp32 block instead of `[N, V]`.
+    With `chunk_tokens` the `[N, V]` logits never exist: `chunk_tokens` rows at a time, the
+    forward computes each chunk's loss *and* its gradients (`_FusedChunkedCrossEntropy`), so
+    the logits are computed once, not again in backward; peak extra memory is two
+    `[chunk_tokens, V]` fp32 blocks while a chunk runs, plus what backward needs anyway (the
+    gradient of the hidden states, `[N, D]`, in place of the hidden states, and the fp32
+    weight gradient that becomes `.grad`). Without grad (evaluation) only the loss is
+    computed, chunk by chunk.
     """
     h_ND, labels_N = hidden_BLD.reshape(-1, hidden_BLD.shape[-1]), labels_BL.reshape(-1)
     if chunk_tokens is None:
-        logits_NV = F.linear(h_ND, weight_VD).float()
+        logits_NV = F.linear(h_ND, weight_VD, bias_V).float()
         return F.cross_entropy(logits_NV, labels_N, ignore_index=ignore_index, reduction="sum")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedCrossEntropy.apply(h_ND, weight_VD, labels_N, chunk_tokens, ignore_index)
+    inputs = (h_ND, weight_VD) if bias_V is None else (h_ND, weight_VD, bias_V)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _FusedChunkedCrossEntropy.apply(
+            h_ND, weight_VD, bias_V, labels_N, chunk_tokens, ignore_index
+        )
+    total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+    for s in loops.tile_starts(h_ND.shape[0], chunk_tokens):
+        logp_nV = _log_probs(h_ND[s : s + chunk_tokens], weight_VD, bias_V)
+        total += F.nll_loss(
+            logp_nV, labels_N[s : s + chunk_tokens], ignore_index=ignore_index, reduction="sum"
+        )
+        del logp_nV
+    return total
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """loss = sum_n [lse(z_n) - z_n[y_n]] over valid n, z_n = W h_n.
-    d loss / d z_n = softmax(z_n) - onehot(y_n) (0 for ignored n), so per chunk
-    dh = dz @ W and dW += dz^T @ h: only one chunk's logits live at a time."""
+def _log_probs(h_nD, weight_VD, bias_V):
+    """log softmax of one chunk's logits, in fp32 (the logits freed at once)."""
+    return torch.log_softmax(F.linear(h_nD, weight_VD, bias_V).float(), dim=-1)
+
+
+class _FusedChunkedCrossEntropy(torch.autograd.Function):
+    """loss = sum_n [lse(z_n) - z_n[y_n]] over valid n, z_n = W h_n + b, with the gradients
+    computed in the same pass, chunk by chunk:
+
+        d loss / d z_n = softmax(z_n) - onehot(y_n)      (0 for ignored n)
+        dh_n = (d loss / d z_n) W,   dW = sum_n (d loss / d z_n)^T h_n,   db = sum_n ...
+
+    The loss is a graph's last node, so the gradient that reaches it in backward is one
+    scalar g (1, or the Trainer's loss scale): backward only multiplies the saved dh, dW, db
+    by g (dh is rounded to h's dtype then, dW and db to the weights'). The logits are computed
+    once per step (a chunk's forward GEMM), not once more in backward: 3 GEMMs of N x V x D
+    instead of 4. Per chunk the loss is
+    `nll_loss(log_softmax(z))`, which is what `F.cross_entropy` computes (so each chunk's
+    loss is that of the unchunked loss's rows; only the sum over chunks is in another order),
+    and softmax(z) is exp of those log-probabilities, as `F.cross_entropy`'s own backward
+    computes it. dW and db are summed in fp32 and rounded once, in backward."""
 
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, labels_N, chunk, ignore_index):
+    def forward(ctx, h_ND, weight_VD, bias_V, labels_N, chunk, ignore_index):
+        needs_h, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        needs_b = bias_V is not None and ctx.needs_input_grad[2]
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        # dh is kept in fp32 for half-precision h, so that scaling it by g in backward
+        # rounds it once (one [N, D] half tensor more, at the loss only)
+        dh_ND = torch.empty_like(h_ND, dtype=acc_dtype(h_ND.dtype)) if needs_h else None
+        dW_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if needs_w else None
+        db_V = torch.zeros_like(bias_V, dtype=torch.float32) if needs_b else None
         for s in loops.tile_starts(h_ND.shape[0], chunk):
-            z_nV = F.linear(h_ND[s : s + chunk], weight_VD).float()
-            total += F.cross_entropy(
-                z_nV, labels_N[s : s + chunk], ignore_index=ignore_index, reduction="sum"
-            )
-            del z_nV
-        ctx.save_for_backward(h_ND, weight_VD, labels_N)
-        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+            h_nD, y_n = h_ND[s : s + chunk], labels_N[s : s + chunk]
+            dz_nV = _log_probs(h_nD, weight_VD, bias_V)
+            total += F.nll_loss(dz_nV, y_n, ignore_index=ignore_index, reduction="sum")
+            dz_nV.exp_()  # softmax
+            valid_n1 = (y_n != ignore_index).unsqueeze(1)
+            # - onehot(y) on valid rows, without a data-dependent index (no device sync)
+            dz_nV.scatter_add_(1, y_n.clamp_min(0).unsqueeze(1), -valid_n1.to(dz_nV.dtype))
+            dz_nV *= valid_n1
+            if dh_ND is not None:
+                # in the weights' dtype (bf16 inputs, fp32 accumulation): no fp32 copy of W
+                dh_ND[s : s + chunk] = dz_nV.to(weight_VD.dtype) @ weight_VD
+            if dW_VD is not None:
+                dW_VD.addmm_(dz_nV.T, h_nD.float())
+            if db_V is not None:
+                db_V += dz_nV.sum(0)
+            del dz_nV
+        ctx.grads = (dh_ND, dW_VD, db_V)
+        ctx.dtypes = (h_ND.dtype, weight_VD.dtype, None if bias_V is None else bias_V.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        h_ND, weight_VD, labels_N = ctx.saved_tensors
-        dh_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
-        dW_VD = (
-            torch.zeros_like(weight_VD, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        )
-        for s in loops.tile_starts(h_ND.shape[0], ctx.chunk):
-            h_nD, y_n = h_ND[s : s + ctx.chunk], labels_N[s : s + ctx.chunk]
-            dz_nV = torch.softmax(F.linear(h_nD, weight_VD).float(), dim=-1)
-            valid_n1 = (y_n != ctx.ignore_index).unsqueeze(1)
-            # - onehot(y) on valid rows, without a data-dependent index (no device sync)
-            dz_nV.scatter_add_(1, y_n.clamp_min(0).unsqueeze(1), -valid_n1.to(dz_nV.dtype))
-            dz_nV *= valid_n1 * grad
-            if dh_ND is not None:
-                # in the weights' dtype (bf16 inputs, fp32 accumulation): no fp32 copy of W
-                dh_ND[s : s + ctx.chunk] = (dz_nV.to(weight_VD.dtype) @ weight_VD).to(h_ND.dtype)
-            if dW_VD is not None:
-                dW_VD.addmm_(dz_nV.T, h_nD.float())
-            del dz_nV
-        dW_VD = None if dW_VD is None else dW_VD.to(weight_VD.dtype)
-        return dh_ND, dW_VD, None, None, None
+        dh_ND, dW_VD, db_V = ctx.grads
+        del ctx.grads
+        out = []
+        for t, dtype in zip((dh_ND, dW_VD, db_V), ctx.dtypes, strict=True):
+            out.append(None if t is None else t.mul_(grad).to(dtype))
+        return out[0], out[1], out[2], None, None, None
 
 
 def count_valid(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
