@@ -43,7 +43,14 @@ import torch.nn.functional as F
 from upipe.attention.common import agree_across_ranks, resolve_groups
 from upipe.attention.module import ContextParallelAttention
 from upipe.comm import shard_sequence
-from upipe.loss import IGNORE_INDEX, count_valid, global_token_mean, shift_labels
+from upipe.integrations.hf_memory import (
+    MemoryOptions,
+    install,
+    model_problem,
+    token_mean,
+    window_problem,
+)
+from upipe.loss import IGNORE_INDEX, shift_labels
 from upipe.mesh import mesh_coordinates
 from upipe.packing import check_cu_seqlens, document_positions
 from upipe.torch_private import flatten_mesh
@@ -130,15 +137,6 @@ def _check_model(model) -> None:
         )
 
 
-def _sliding_window(cfg) -> int | None:
-    """The window of the model's sliding-window layers, or None if it has none."""
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window
-
-
 def _sequence_group(group, mesh):
     """The process group over all ranks holding one sequence (a mesh's ring x ulysses)."""
     if group is not None:
@@ -184,6 +182,33 @@ def _check_documents(cu_q, cu_k, pos_BL, block: int, S: int) -> tuple[int, ...]:
     return bounds
 
 
+def _model_call(kwargs) -> dict:
+    """What the decoder stack's input hook needs of the model call's keywords."""
+    shifted = kwargs.get("shift_labels")
+    return {
+        "labels": kwargs.get("labels") is not None,
+        "shift_labels": None if shifted is None else tuple(shifted.shape),
+        "logits_to_keep": kwargs.get("logits_to_keep", 0),
+        "return_dict": kwargs.get("return_dict"),
+    }
+
+
+def _chunked_call_problem(call) -> str | None:
+    """Why a model call with labels cannot take the chunked loss, or None."""
+    keep = call["logits_to_keep"]
+    if not (isinstance(keep, int) and keep == 0):
+        return (
+            f"logits_to_keep={keep!r} with labels=: chunked_loss=True computes the loss over "
+            "every token and returns no logits; call without labels to get the kept logits"
+        )
+    if call["return_dict"] is False:
+        return (
+            "return_dict=False with chunked_loss=True: the loss comes with logits=None in a "
+            "ModelOutput; call with return_dict=True (the default)"
+        )
+    return None
+
+
 def _input_hook(state):
     """A forward pre-hook for the decoder stack (`model.model`): checks the call on every
     rank, and makes every rank raise the same ValueError, before any collective."""
@@ -195,9 +220,11 @@ def _input_hook(state):
         pos = kwargs.get("position_ids")
         mask = kwargs.get("attention_mask")
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        # (labels given, shift_labels' shape or None), noted by the model's own pre-hook: a
-        # wrapper such as TRL's fused head consumes them before calling the decoder stack
-        (labels_given, shifted), state["labels"] = state["labels"], (False, None)
+        # the model call's labels= / shift_labels= (shape) / logits_to_keep / return_dict, as
+        # noted by the model's own pre-hook: a wrapper such as TRL's fused head consumes them
+        # before calling the decoder stack
+        call, state["call"] = state["call"], _model_call({})
+        labels_given, shifted = call["labels"], call["shift_labels"]
         block, n_blocks = _block_index(state["group"], state["mesh"])
         state["docs"] = None
 
@@ -248,13 +275,13 @@ def _input_hook(state):
                     "whole sequence only); pass attention_mask=None and mark padded positions "
                     f"with labels = {IGNORE_INDEX}"
                 )
-            S, window = n_blocks * L, state["window"]
-            if window is not None and window < S:
-                raise ValueError(
-                    f"sliding-window attention is not supported: the sequence ({S} tokens) is "
-                    f"longer than config.sliding_window ({window}); use a sequence of at most "
-                    f"{window} tokens or a model without sliding window"
-                )
+            problem = window_problem(module.config, n_blocks * L) or state["memory"].call_problem(
+                module, kwargs
+            )
+            if problem is None and labels_given and state["memory"].options.chunked_loss:
+                problem = _chunked_call_problem(call)
+            if problem:
+                raise ValueError(problem)
 
         def signature():
             B, L = x.shape[:2]
@@ -287,7 +314,22 @@ def _use_upipe_attention(model) -> None:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", heads_per_stage=None):
+def apply_context_parallel(
+    model,
+    *,
+    group=None,
+    mesh=None,
+    strategy="upipe",
+    heads_per_stage=None,
+    tiled_mlp=False,
+    mlp_tile=1024,
+    chunked_loss=False,
+    loss_chunk=1024,
+    activation_checkpoint=False,
+    blocks_per_checkpoint=1,
+    offload=False,
+    keep_on_gpu=0,
+):
     """Make a Hugging Face causal LM context-parallel, in place; returns the model.
 
     Supported: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases),
@@ -301,11 +343,33 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
     `num_items_in_batch` it is this rank's share, as the Trainer expects: see
     `upipe.integrations.trainer`). Also sets the model's attention implementation to "upipe"
     (so transformers builds no `[L, L]` mask that would go unused) and `config.use_cache =
-    False`. Raises ValueError for unsupported models and options (sliding window shorter
-    than the sequence -- checked per call --, dynamic rope, attention dropout, padding masks,
-    labels= without shift_labels=, generation).
+    False`.
+
+    The memory features (`upipe.integrations.hf_memory.MemoryOptions`; names and meanings
+    as `upipe train`'s flags): `tiled_mlp` (tiles of `mlp_tile` tokens), `chunked_loss`
+    (chunks of `loss_chunk` tokens; the model then returns the loss with logits=None),
+    `activation_checkpoint` (`blocks_per_checkpoint` layers per checkpoint), `offload` (the
+    checkpointed inputs in host memory on CUDA, but the last `keep_on_gpu` checkpoints').
+
+    Raises ValueError for unsupported models and options (sliding window shorter than the
+    sequence -- checked per call --, dynamic rope, attention dropout, padding masks, labels=
+    without shift_labels=, generation, combinations of the memory features that do not
+    go together).
     """
     _check_model(model)
+    options = MemoryOptions(
+        tiled_mlp=tiled_mlp,
+        mlp_tile=mlp_tile,
+        chunked_loss=chunked_loss,
+        loss_chunk=loss_chunk,
+        activation_checkpoint=activation_checkpoint,
+        blocks_per_checkpoint=blocks_per_checkpoint,
+        offload=offload,
+        keep_on_gpu=keep_on_gpu,
+    )
+    problem = model_problem(model, options)
+    if problem:
+        raise ValueError(problem)
     cfg, base = model.config, model.model
     ulysses, _, _, agree = resolve_groups(group, mesh)
     state = {
@@ -313,8 +377,7 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
         "mesh": mesh,
         "ulysses": ulysses,
         "agree": agree,
-        "window": _sliding_window(cfg),
-        "labels": (False, None),
+        "call": _model_call({}),
         "docs": None,
     }
     for layer in base.layers:
@@ -330,13 +393,13 @@ def apply_context_parallel(model, *, group=None, mesh=None, strategy="upipe", he
     _use_upipe_attention(model)
     cfg.use_cache = False
 
-    def note_labels(module, args, kwargs):
-        shifted = kwargs.get("shift_labels")
-        shape = None if shifted is None else tuple(shifted.shape)
-        state["labels"] = (kwargs.get("labels") is not None, shape)
+    def note_call(module, args, kwargs):
+        state["call"] = _model_call(kwargs)
 
-    model.register_forward_pre_hook(note_labels, with_kwargs=True)
-    model.loss_function = functools.partial(_model_loss, group=_sequence_group(group, mesh))
+    model.register_forward_pre_hook(note_call, with_kwargs=True)
+    sequence_group = _sequence_group(group, mesh)
+    model.loss_function = functools.partial(_model_loss, group=sequence_group)
+    state["memory"] = install(model, options, sequence_group)
     base.register_forward_pre_hook(_input_hook(state), with_kwargs=True)
     return model
 
@@ -408,7 +471,7 @@ def causal_lm_loss(logits_BLV, labels_BL, *, group=None, mesh=None):
 
 def _global_mean(logits_BLV, labels_BL, group, ignore_index=IGNORE_INDEX):
     loss_sum = _cross_entropy_sum(logits_BLV, labels_BL, ignore_index)
-    return global_token_mean(loss_sum, count_valid(labels_BL, ignore_index), group)
+    return token_mean(loss_sum, labels_BL, None, group, ignore_index)
 
 
 def _cross_entropy_sum(logits_BLV, labels_BL, ignore_index=IGNORE_INDEX):
@@ -433,12 +496,8 @@ def _model_loss(
     transformers' `ForCausalLMLoss` computes it; the Trainer multiplies it by the number of
     processes and DDP averages the gradients, so the step's gradient is the global mean's.
     Without: the mean over the whole sequence on every rank (`causal_lm_loss`)."""
-    if num_items_in_batch is None:
-        return _global_mean(logits, shift_labels, group, ignore_index)
     loss_sum = _cross_entropy_sum(logits, shift_labels, ignore_index)
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss_sum.device)
-    return loss_sum / num_items_in_batch
+    return token_mean(loss_sum, shift_labels, num_items_in_batch, group, ignore_index)
 
 
 __all__ = [

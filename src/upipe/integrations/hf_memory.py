@@ -1,0 +1,398 @@
+"""upipe's memory features for Hugging Face causal LMs: tiled MLP, a chunked loss that never
+builds the logits, and activation checkpointing with offload of the checkpointed inputs.
+
+Legend: B batch, L tokens of this rank, D width, V vocabulary, N = B * L, T tile tokens,
+n decoder layers, m layers per checkpoint.
+
+    apply_context_parallel(model, group=group, tiled_mlp=True, chunked_loss=True,
+                           activation_checkpoint=True, offload=True)     # or, without the
+    apply_memory_features(model, group=group, tiled_mlp=True, ...)       # attention swap
+
+The options mean what `upipe train`'s flags of the same names mean (`MemoryOptions`), and
+run the same code (`upipe.model.features`, `upipe.loss`, `upipe.model.offload`):
+
+- `tiled_mlp`: each decoder layer's post-attention norm, its own `mlp` module and the
+  residual add run in tiles of `mlp_tile` tokens, recomputed in backward, whose gradient is
+  written into the incoming one (`features.tiled_recompute(..., residual=True)`): the
+  `[B, L, F]` intermediates never exist and the layer's backward holds one `[B, L, D]`
+  gradient. Any token-wise `mlp` works (dense or mixture-of-experts: it is called on
+  `[B, T, D]` tiles).
+- `chunked_loss`: with `labels=`/`shift_labels=`, the model's forward computes the loss
+  from the final hidden states through its own `lm_head` in chunks of `loss_chunk` tokens,
+  forward and backward in one pass (`upipe.loss.cross_entropy_sum`), and returns it with
+  `logits=None`; the `[N, V]` logits and their fp32 copy never exist. The value is the
+  same as without it: the global token mean (`upipe.integrations.hf.causal_lm_loss`), or
+  with transformers' `num_items_in_batch` this rank's sum over that count. Without labels
+  the model returns logits as before (`logits_to_keep` included).
+- `activation_checkpoint`: the decoder layers are checkpointed by upipe (one input kept per
+  checkpoint of `blocks_per_checkpoint` layers; `features.activation_checkpoint`).
+  `offload`: on CUDA those inputs live in one page-locked host arena (`Offloader`), but the
+  last `keep_on_gpu` checkpoints'. transformers' own gradient checkpointing
+  (`gradient_checkpointing_enable()`, the Trainer's `gradient_checkpointing=True`) is taken
+  over: its layers are checkpointed once, by upipe, instead of twice.
+
+How: the decoder stack's and each decoder layer's `forward` are replaced on the instances
+(`model.model.forward`, `layer.forward`; with `chunked_loss` also `model.forward`), so no
+class, no other model and no library global changes, and module hooks (FSDP2's) still run
+around every call. The stack runs what transformers' Llama / Mistral / Qwen2 / Qwen3
+decoders run -- embedding, rotary embedding, the layers, the final norm -- and each layer
+what their decoder layers run, `h = x + attn(norm_1(x))`, `y = h + mlp(norm_2(h))`, in
+the same order (the tests compare with the unconverted model). It builds no attention mask:
+every attention it runs under is causal without one (upipe's, ALST's drop-ins, sdpa and
+flash), and `eager` / `flex_attention`, which need the mask, are refused. What the
+stack does not do -- caches, `output_hidden_states`, `output_attentions`, padding masks --
+is refused per call with a ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import types
+
+import torch
+from torch import nn
+
+from upipe.loss import IGNORE_INDEX, count_valid, cross_entropy_sum, global_token_mean
+from upipe.model.features import activation_checkpoint, tiled_recompute
+from upipe.model.offload import Offloader
+
+log = logging.getLogger("upipe")
+
+# decoder layers whose forward is the pre-norm residual block the stack runs (module doc)
+PRE_NORM_LAYERS = (
+    "LlamaDecoderLayer",
+    "MistralDecoderLayer",
+    "Qwen2DecoderLayer",
+    "Qwen3DecoderLayer",
+)
+# attention implementations that need transformers' mask, which the stack does not build
+MASKED_ATTENTION = ("eager", "flex_attention")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MemoryOptions:
+    """The memory features of a Hugging Face model; names and meanings as `upipe train`'s
+    flags (`upipe.train.TrainConfig`)."""
+
+    tiled_mlp: bool = False
+    """Run each decoder layer's MLP (with its norm and residual) in sequence tiles,
+    recomputed in backward."""
+    mlp_tile: int = 1024
+    """Tokens per MLP tile."""
+    chunked_loss: bool = False
+    """With labels, compute the loss from the hidden states in chunks (no [L, V] logits;
+    the model returns logits=None)."""
+    loss_chunk: int = 1024
+    """Tokens per loss chunk."""
+    activation_checkpoint: bool = False
+    """Checkpoint the decoder layers (keep only each checkpoint's input)."""
+    blocks_per_checkpoint: int = 1
+    """Decoder layers per checkpoint (one input kept per m layers)."""
+    offload: bool = False
+    """Keep the checkpointed inputs in host memory (CUDA; needs activation_checkpoint)."""
+    keep_on_gpu: int = 0
+    """With offload: the inputs of the last K checkpoints stay on the device."""
+
+    @property
+    def layers_replaced(self) -> bool:
+        """Whether the decoder stack and layers run upipe's forward (module doc)."""
+        return self.tiled_mlp or self.activation_checkpoint
+
+    def problem(self, n_layers: int) -> str | None:
+        """The first problem of these options for a model of `n_layers` decoder layers, as a
+        message naming the option and the fix; None if there is none."""
+        for name in ("mlp_tile", "loss_chunk", "blocks_per_checkpoint"):
+            if getattr(self, name) < 1:
+                return f"{name} must be >= 1, got {getattr(self, name)}"
+        if self.keep_on_gpu < 0:
+            return f"keep_on_gpu must be >= 0, got {self.keep_on_gpu}"
+        if self.offload and not self.activation_checkpoint:
+            return (
+                "offload=True keeps the checkpointed inputs on the host: add "
+                "activation_checkpoint=True"
+            )
+        m = self.blocks_per_checkpoint
+        if m > 1 and not self.activation_checkpoint:
+            return f"blocks_per_checkpoint={m} needs activation_checkpoint=True"
+        if self.keep_on_gpu and not self.offload:
+            return (
+                f"keep_on_gpu={self.keep_on_gpu} keeps some offloaded inputs on the GPU: it "
+                "needs offload=True"
+            )
+        checkpoints = -(-n_layers // m)
+        if self.offload and self.keep_on_gpu >= checkpoints:
+            return (
+                f"keep_on_gpu={self.keep_on_gpu} keeps all {checkpoints} checkpoints ({n_layers} "
+                f"layers / {m} per checkpoint) on the GPU: use at most {checkpoints - 1}, or "
+                "offload=False"
+            )
+        return None
+
+
+class HFMemory:
+    """What `apply_memory_features` installed on a model, as `model.upipe_memory`.
+
+    `offload`: the `Offloader` the checkpoints use, on CUDA only (on the CPU the inputs are
+    in host memory already, as in `upipe train`); a test may set one to run the offload path
+    on the CPU (host copies of host tensors, the arena a separate tensor)."""
+
+    def __init__(self, options: MemoryOptions, n_layers: int, group):
+        self.options, self.group = options, group
+        m = options.blocks_per_checkpoint
+        self.n_inputs = -(-n_layers // m) - options.keep_on_gpu  # checkpoints offloaded
+        self.offload: Offloader | None = None
+        self._took_over = False
+
+    def offloader(self, x_BLD: torch.Tensor) -> Offloader | None:
+        if self.offload is None and self.options.offload and x_BLD.is_cuda:
+            scratch = self.options.blocks_per_checkpoint - 1
+            self.offload = Offloader(self.n_inputs, "cpu", scratch=scratch)
+        return self.offload
+
+    def checkpointing(self, base, layers) -> int:
+        """Layers per checkpoint in this call: 0 without checkpointing. transformers' own
+        gradient checkpointing (on in training mode) becomes upipe's, one layer each."""
+        if self.options.activation_checkpoint:
+            return self.options.blocks_per_checkpoint
+        if base.training and any(
+            getattr(layer, "gradient_checkpointing", False) for layer in layers
+        ):
+            if not self._took_over:
+                log.info(
+                    "upipe checkpoints the decoder layers in place of transformers' gradient "
+                    "checkpointing (one recompute; activation_checkpoint=True adds offload "
+                    "and segments)"
+                )
+                self._took_over = True
+            return 1
+        return 0
+
+    def call_problem(self, base, kwargs) -> str | None:
+        """The first reason the stack cannot run this call of the decoder stack (`kwargs`),
+        or None."""
+        if not self.options.layers_replaced:
+            return None
+        cfg = base.config
+        for name in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(name) or getattr(cfg, name, False):
+                return (
+                    f"{name}=True is not supported with tiled_mlp / activation_checkpoint "
+                    "(upipe runs the decoder stack itself); leave it off"
+                )
+        if kwargs.get("use_cache") or any(
+            kwargs.get(k) is not None for k in ("cache", "past_key_values")
+        ):
+            return (
+                "use_cache=True / a cache (generation) is not supported with upipe's memory "
+                "features"
+            )
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.bool().all()):
+            return (
+                "attention_mask with padding is not supported with upipe's memory features "
+                "(causal attention over the whole sequence); pass attention_mask=None and mark "
+                f"padded positions with labels = {IGNORE_INDEX}"
+            )
+        if cfg._attn_implementation in MASKED_ATTENTION:
+            return (
+                f"attn_implementation {cfg._attn_implementation!r} needs transformers' causal "
+                "mask, which upipe's decoder stack does not build: use 'sdpa' (or a flash "
+                "implementation)"
+            )
+        return None
+
+    def run_layers(self, base, layers, x_BLD, args):
+        """The decoder layers on x, checkpointed as `checkpointing` says."""
+        fns = [functools.partial(_call_layer, layer) for layer in layers]
+        m = self.checkpointing(base, layers) if torch.is_grad_enabled() else 0
+        if not m:
+            for fn in fns:
+                x_BLD = fn(x_BLD, *args)
+            return x_BLD
+        offload = self.offloader(x_BLD) if self.options.activation_checkpoint else None
+        for j, start in enumerate(range(0, len(fns), m)):
+            slot = offload if offload is not None and j < offload.n_inputs else None
+            x_BLD = activation_checkpoint(
+                fns[start : start + m], x_BLD, *args, offload=slot, index=j
+            )
+        return x_BLD
+
+
+def window_problem(cfg, S: int) -> str | None:
+    """Why a model with config `cfg` cannot attend over S tokens (its sliding window is
+    shorter: the window is not applied), or None."""
+    window = sliding_window(cfg)
+    if window is not None and window < S:
+        return (
+            f"sliding-window attention is not supported: the sequence ({S} tokens) is longer "
+            f"than config.sliding_window ({window}); use a sequence of at most {window} tokens "
+            "or a model without sliding window"
+        )
+    return None
+
+
+def sliding_window(cfg) -> int | None:
+    """The window of the model's sliding-window layers, or None if it has none."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def _call_layer(layer, x_BLD, position_embeddings, position_ids, kwargs):
+    """One decoder layer through its module call (so FSDP2's hooks run)."""
+    return layer(
+        x_BLD, position_embeddings=position_embeddings, position_ids=position_ids, **kwargs
+    )
+
+
+def _decoder_layer(layer, memory: HFMemory, hidden_states, position_embeddings=None, **kwargs):
+    """A pre-norm decoder layer (`PRE_NORM_LAYERS`): h = x + attn(norm_1(x)), then
+    y = h + mlp(norm_2(h)), the second half in tiles with `tiled_mlp`."""
+    x_BLD = hidden_states
+    kwargs.pop("attention_mask", None)  # None here (see the module doc)
+    attn_BLD, _ = layer.self_attn(
+        hidden_states=layer.input_layernorm(x_BLD),
+        position_embeddings=position_embeddings,
+        attention_mask=None,
+        **kwargs,
+    )
+    h_BLD = x_BLD + attn_BLD
+    del attn_BLD
+    opt = memory.options
+    if not opt.tiled_mlp:
+        return h_BLD + layer.mlp(layer.post_attention_layernorm(h_BLD))
+    return tiled_recompute(functools.partial(_mlp_rows, layer), h_BLD, opt.mlp_tile, residual=True)
+
+
+def _mlp_rows(layer, h_BTD):
+    return layer.mlp(layer.post_attention_layernorm(h_BTD))
+
+
+def _decoder_stack(
+    base,
+    memory: HFMemory,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    cache=None,
+    inputs_embeds=None,
+    use_cache=None,
+    **kwargs,
+):
+    """The decoder stack's forward (module doc); its input hook has checked the call."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    x_BLD = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    if position_ids is None:
+        position_ids = torch.arange(x_BLD.shape[1], device=x_BLD.device).unsqueeze(0)
+    cos_sin = base.rotary_emb(x_BLD, position_ids=position_ids)
+    layers = list(base.layers[: base.config.num_hidden_layers])
+    x_BLD = memory.run_layers(base, layers, x_BLD, (cos_sin, position_ids, kwargs))
+    return BaseModelOutputWithPast(last_hidden_state=base.norm(x_BLD))
+
+
+# the keywords transformers' causal-LM forward hands to its loss function, not to the stack
+_LOSS_KWARGS = ("shift_labels", "num_items_in_batch", "ignore_index")
+
+
+def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None, **kwargs):
+    """The causal LM's forward with `chunked_loss`: with labels, the loss from the final
+    hidden states in chunks and logits=None; without, transformers' own forward."""
+    if labels is None:
+        return hf_forward(input_ids=input_ids, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    shift_labels = kwargs.pop("shift_labels", None)
+    if shift_labels is None:  # (the input hook of apply_context_parallel says so first)
+        raise ValueError(
+            "chunked_loss=True takes the labels shifted on the whole sequence: pass "
+            "shift_labels= (shard_batch's labels) along with labels="
+        )
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    kwargs.pop("logits_to_keep", None)  # 0: the input hook refuses others with labels
+    kwargs.pop("return_dict", None)  # True: likewise
+    out = model.model(input_ids=input_ids, **kwargs)
+    lm_head = model.get_output_embeddings()
+    weight, bias = lm_head.weight, lm_head.bias
+    if hasattr(weight, "full_tensor"):  # an FSDP2 unit of its own: sharded outside its call
+        weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+    loss_sum = cross_entropy_sum(
+        out.last_hidden_state,
+        weight,
+        shift_labels,
+        chunk_tokens=memory.options.loss_chunk,
+        ignore_index=ignore_index,
+        bias_V=bias,
+    )
+    loss = token_mean(loss_sum, shift_labels, num_items, memory.group, ignore_index)
+    return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def token_mean(loss_sum, labels_BL, num_items_in_batch, group, ignore_index=IGNORE_INDEX):
+    """The loss of a converted model from its sum over this rank's labels: the global token
+    mean (`causal_lm_loss`), or with transformers' `num_items_in_batch` (the Trainer's count
+    of valid labels over every rank and micro-batch of the step) this rank's share
+    sum / count, as transformers' `ForCausalLMLoss` computes it."""
+    if num_items_in_batch is None:
+        return global_token_mean(loss_sum, count_valid(labels_BL, ignore_index), group)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss_sum.device)
+    return loss_sum / num_items_in_batch
+
+
+def model_problem(model, options: MemoryOptions) -> str | None:
+    """The first reason `options` cannot apply to `model`, or None."""
+    base = model.model
+    problem = options.problem(len(base.layers))
+    if problem:
+        return problem
+    if getattr(model, "upipe_memory", None) is not None:
+        return "upipe's memory features were already applied to this model"
+    if options.layers_replaced:
+        unknown = sorted(
+            {
+                type(layer).__name__
+                for layer in base.layers
+                if not any(c.__name__ in PRE_NORM_LAYERS for c in type(layer).__mro__)
+            }
+        )
+        if unknown:
+            return (
+                f"tiled_mlp / activation_checkpoint run the decoder layers as pre-norm residual "
+                f"blocks, known for {', '.join(PRE_NORM_LAYERS)}; this model's are {unknown}"
+            )
+    if options.chunked_loss:
+        head = model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            return (
+                f"chunked_loss=True computes the loss through the model's lm_head as a "
+                f"torch.nn.Linear, got {type(head).__name__}: use chunked_loss=False"
+            )
+    return None
+
+
+def install(model, options: MemoryOptions, group) -> HFMemory:
+    """Install `options` on `model` (checked by `model_problem`); returns its HFMemory."""
+    base = model.model
+    memory = HFMemory(options, len(base.layers), group)
+    model.upipe_memory = memory
+    if options.layers_replaced:
+        base.forward = functools.partial(_decoder_stack, base, memory)
+        for layer in base.layers:
+            layer.forward = functools.partial(_decoder_layer, layer, memory)
+    if options.chunked_loss:
+        hf_forward = model.forward
+
+        @functools.wraps(type(model).forward)  # its signature: the Trainer reads it
+        def forward(self, *args, **kwargs):
+            return _causal_lm(self, memory, hf_forward, *args, **kwargs)
+
+        model.forward = types.MethodType(forward, model)
+    return memory

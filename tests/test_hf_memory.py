@@ -1,0 +1,83 @@
+"""upipe's memory features on Hugging Face models (`apply_context_parallel(tiled_mlp=...,
+chunked_loss=..., activation_checkpoint=..., offload=...)`): loss and every parameter
+gradient against the unmodified model on one process."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_memory_workers as W  # noqa: E402
+from conftest import TOL, rel_err  # noqa: E402
+from hf_workers import SEQ  # noqa: E402
+
+TOL32 = TOL[torch.float32]
+ALL = dict(tiled_mlp=True, mlp_tile=8, chunked_loss=True, loss_chunk=12, activation_checkpoint=True)
+MHA = {"num_key_value_heads": 8}
+
+
+@functools.cache
+def _reference(arch, bounds=None, config=()):
+    return W.reference_loss_and_grads(arch, bounds, **dict(config))
+
+
+def _check(results, reference, *, logits_none):
+    loss, grads, _ = reference
+    for r_loss, r_grads, no_logits, _ in results:
+        assert abs(r_loss.item() - loss.item()) <= 1e-6 * loss.item(), (r_loss, loss)
+        assert no_logits == logits_none
+        assert list(r_grads) == list(grads)
+    errs = {n: rel_err(sum(r[1][n] for r in results), g) for n, g in grads.items()}
+    assert max(errs.values()) < TOL32["bwd"], errs
+
+
+CASES = [  # (arch, world, options, run): each feature alone, then together
+    ("llama", 2, dict(tiled_mlp=True, mlp_tile=8), {}),
+    ("qwen3", 4, dict(chunked_loss=True, loss_chunk=5), {}),
+    ("qwen2", 2, dict(activation_checkpoint=True), {}),
+    ("llama", 4, dict(activation_checkpoint=True, blocks_per_checkpoint=2), {}),
+    ("mistral", 2, ALL, {}),
+    ("llama", 4, dict(ALL, config=MHA), {}),
+    ("qwen3", 2, dict(ALL, blocks_per_checkpoint=2, offload=True), {"offload": True}),
+    ("llama", 2, dict(ALL, offload=True, keep_on_gpu=1), {"offload": True}),
+    ("qwen2", 4, ALL, {"num_items": True}),
+]
+
+
+@pytest.mark.parametrize("arch,world,options,run", CASES)
+def test_features_match_unmodified_model(clusters, arch, world, options, run):
+    config = tuple(options.get("config", {}).items())
+    reference = _reference(arch, None, config)
+    results = clusters(world).run(W.run_with_features, arch, reference[2], dict(options), run)
+    if "num_items" in run:  # each rank's share of the mean: the shares add up to it
+        total = sum(r[0] for r in results)
+        results = [(total, *r[1:]) for r in results]
+    _check(results, reference, logits_none=options.get("chunked_loss", False))
+    m = options.get("blocks_per_checkpoint", 1)
+    # attention runs once in forward and once more in the checkpoint's recompute; in a
+    # segment all but the last layer once more, to rebuild the next one's input
+    per_layer = [1] if not options.get("activation_checkpoint") else [3] * (m - 1) + [2]
+    assert results[0][3] == (per_layer * 2)[:2]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_with_every_feature(clusters, world):
+    bounds = (0, 5, 6, 30, SEQ)
+    reference = _reference("llama", bounds)
+    run = {"packed": bounds}
+    results = clusters(world).run(W.run_with_features, "llama", reference[2], dict(ALL), run)
+    _check(results, reference, logits_none=True)
+
+
+def test_transformers_gradient_checkpointing_is_taken_over(clusters):
+    """gradient_checkpointing_enable() with upipe's features: each layer recomputed once (by
+    upipe), not twice; the same loss and gradients."""
+    reference = _reference("llama")
+    opts = dict(tiled_mlp=True, mlp_tile=8, chunked_loss=True, loss_chunk=12)
+    results = clusters(2).run(W.run_with_features, "llama", reference[2], opts, {"hf_gc": True})
+    _check(results, reference, logits_none=True)
+    assert results[0][3] == [2, 2]
