@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from hf_workers import BATCH, SEQ, build_model, make_batch
 
@@ -73,3 +74,90 @@ def run_with_features(rank, world_size, arch, state, options, run):
         arena = model.upipe_memory.offload.arena
         assert arena is not None and arena.numel() == (n + m - 1) * labels.numel() * 64
     return out.loss.detach(), grads, out.logits is None, calls
+
+
+def feature_errors(rank, world_size, cases):
+    """Each case -> the ValueError message it raised on this rank (None if it did not)."""
+    from upipe.attention.common import forget_agreements
+
+    found = {}
+    for name in cases:
+        forget_agreements()
+        try:
+            _feature_error(name, dist.group.WORLD)
+            found[name] = None
+        except ValueError as e:
+            found[name] = str(e)
+    return found
+
+
+def _feature_error(name, group):
+    from upipe.integrations.hf import apply_context_parallel, shard_batch
+
+    model = build_model("llama")
+    at_apply = {
+        "offload_alone": dict(offload=True),
+        "keep_all": dict(activation_checkpoint=True, offload=True, keep_on_gpu=2),
+        "segments_alone": dict(blocks_per_checkpoint=2),
+        "tile": dict(tiled_mlp=True, mlp_tile=0),
+    }
+    if name in at_apply:
+        apply_context_parallel(model, group=group, **at_apply[name])
+        return
+    if name == "head_not_linear":
+        model.lm_head = torch.nn.Sequential(model.lm_head)
+        apply_context_parallel(model, group=group, chunked_loss=True)
+        return
+    if name == "twice":
+        from upipe.integrations.hf_memory import apply_memory_features
+
+        apply_context_parallel(model, group=group, tiled_mlp=True)
+        apply_memory_features(model, group=group, tiled_mlp=True)
+        return
+    apply_context_parallel(model, group=group, chunked_loss=True, activation_checkpoint=True)
+    batch = shard_batch(make_batch(), group=group)
+    labels = batch.pop("labels")
+    kw = dict(labels=labels, shift_labels=labels)
+    if name == "return_dict":
+        kw["return_dict"] = False
+    elif name == "logits_to_keep":
+        kw["logits_to_keep"] = 1
+    elif name == "hidden_states" and dist.get_rank() == 0:  # every rank must still raise
+        kw["output_hidden_states"] = True
+    model(**batch, **kw)
+
+
+def dropin_with_features(rank, world_size, state, options):
+    """tests/hf_workers' llama made sequence-parallel by upipe's drop-in for ALST
+    (`UPipeSPAttentionHF.register_with_transformers`), with upipe's memory features added by
+    `apply_memory_features`; the loss from the model (shift_labels=); returns the loss and
+    the parameter gradients."""
+    from deepspeed_workers import _init_deepspeed
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from upipe.integrations.deepspeed import UPipeSPAttentionHF
+    from upipe.integrations.hf import shard_batch
+    from upipe.integrations.hf_memory import apply_memory_features
+
+    _init_deepspeed()
+    group = dist.group.WORLD
+    model = build_model("llama", seed=123, attn_implementation="sdpa").train()
+    model.load_state_dict(state)
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        UPipeSPAttentionHF.register_with_transformers(
+            model_name_or_path=model,
+            core_attn_implementation="sdpa",
+            sequence_parallel_size=world_size,
+            micro_batch_size=BATCH,
+            seq_length_is_variable=True,
+        )
+        apply_memory_features(model, group=group, **options)
+        batch = shard_batch(make_batch(), group=group)
+        labels = batch.pop("labels")
+        out = model(**batch, labels=labels, shift_labels=labels)
+        out.loss.backward()
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.loss.detach(), grads, out.logits is None, []

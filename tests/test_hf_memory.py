@@ -81,3 +81,34 @@ def test_transformers_gradient_checkpointing_is_taken_over(clusters):
     results = clusters(2).run(W.run_with_features, "llama", reference[2], opts, {"hf_gc": True})
     _check(results, reference, logits_none=True)
     assert results[0][3] == [2, 2]
+
+
+def test_deepspeed_dropin_with_upipe_features(clusters):
+    """ALST's recipe with upipe's pieces: the drop-in attention for `UlyssesSPAttentionHF`,
+    plus upipe's tiled MLP, chunked loss and checkpointing (`apply_memory_features`)."""
+    pytest.importorskip("deepspeed")
+    reference = _reference("llama")
+    results = clusters(2).run(W.dropin_with_features, reference[2], dict(ALL))
+    _check(results, reference, logits_none=True)
+
+
+ERRORS = {
+    "offload_alone": "offload=True keeps the checkpointed inputs on the host: add "
+    "activation_checkpoint=True",
+    "keep_all": "keep_on_gpu=2 keeps all 2 checkpoints (2 layers / 1 per checkpoint) on the GPU",
+    "segments_alone": "blocks_per_checkpoint=2 needs activation_checkpoint=True",
+    "tile": "mlp_tile must be >= 1, got 0",
+    "head_not_linear": "lm_head as a torch.nn.Linear, got Sequential: use chunked_loss=False",
+    "twice": "upipe's memory features were already applied to this model",
+    "return_dict": "return_dict=False with chunked_loss=True",
+    "logits_to_keep": "logits_to_keep=1 with labels=",
+    "hidden_states": "output_hidden_states=True is not supported",
+}
+
+
+def test_bad_options_raise_on_every_rank(clusters):
+    found = clusters(2).run(W.feature_errors, tuple(ERRORS))
+    for rank, by_case in enumerate(found):
+        for case, expected in ERRORS.items():
+            assert by_case[case] is not None, f"rank {rank}: {case} did not raise"
+            assert expected in by_case[case], (rank, case, by_case[case])

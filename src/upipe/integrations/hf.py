@@ -45,6 +45,8 @@ from upipe.attention.module import ContextParallelAttention
 from upipe.comm import shard_sequence
 from upipe.integrations.hf_memory import (
     MemoryOptions,
+    apply_memory_features,
+    chunked_call_problem,
     install,
     model_problem,
     token_mean,
@@ -193,22 +195,6 @@ def _model_call(kwargs) -> dict:
     }
 
 
-def _chunked_call_problem(call) -> str | None:
-    """Why a model call with labels cannot take the chunked loss, or None."""
-    keep = call["logits_to_keep"]
-    if not (isinstance(keep, int) and keep == 0):
-        return (
-            f"logits_to_keep={keep!r} with labels=: chunked_loss=True computes the loss over "
-            "every token and returns no logits; call without labels to get the kept logits"
-        )
-    if call["return_dict"] is False:
-        return (
-            "return_dict=False with chunked_loss=True: the loss comes with logits=None in a "
-            "ModelOutput; call with return_dict=True (the default)"
-        )
-    return None
-
-
 def _input_hook(state):
     """A forward pre-hook for the decoder stack (`model.model`): checks the call on every
     rank, and makes every rank raise the same ValueError, before any collective."""
@@ -279,7 +265,7 @@ def _input_hook(state):
                 module, kwargs
             )
             if problem is None and labels_given and state["memory"].options.chunked_loss:
-                problem = _chunked_call_problem(call)
+                problem = chunked_call_problem(call["logits_to_keep"], call["return_dict"])
             if problem:
                 raise ValueError(problem)
 
@@ -502,8 +488,10 @@ def _model_loss(
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "MemoryOptions",
     "HFContextParallelAttention",
     "apply_context_parallel",
+    "apply_memory_features",
     "causal_lm_loss",
     "packed_boundaries",
     "shard_batch",

@@ -52,8 +52,10 @@ import logging
 import types
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from upipe.attention.common import agree_across_ranks
 from upipe.loss import IGNORE_INDEX, count_valid, cross_entropy_sum, global_token_mean
 from upipe.model.features import activation_checkpoint, tiled_recompute
 from upipe.model.offload import Offloader
@@ -297,8 +299,20 @@ def _decoder_stack(
     return BaseModelOutputWithPast(last_hidden_state=base.norm(x_BLD))
 
 
-# the keywords transformers' causal-LM forward hands to its loss function, not to the stack
-_LOSS_KWARGS = ("shift_labels", "num_items_in_batch", "ignore_index")
+def chunked_call_problem(logits_to_keep, return_dict) -> str | None:
+    """Why a model call with labels cannot take the chunked loss, or None."""
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        return (
+            f"logits_to_keep={logits_to_keep!r} with labels=: chunked_loss=True computes the "
+            "loss over every token and returns no logits; call without labels to get the kept "
+            "logits"
+        )
+    if return_dict is False:
+        return (
+            "return_dict=False with chunked_loss=True: the loss comes with logits=None in a "
+            "ModelOutput; call with return_dict=True (the default)"
+        )
+    return None
 
 
 def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None, **kwargs):
@@ -309,15 +323,18 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     shift_labels = kwargs.pop("shift_labels", None)
-    if shift_labels is None:  # (the input hook of apply_context_parallel says so first)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    if shift_labels is None and memory.group is None:  # one process: as transformers does
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:]
+    if shift_labels is None:  # (apply_context_parallel's input hook says so first)
         raise ValueError(
-            "chunked_loss=True takes the labels shifted on the whole sequence: pass "
-            "shift_labels= (shard_batch's labels) along with labels="
+            "chunked_loss=True over a split sequence takes the labels shifted on the whole "
+            "sequence: pass shift_labels= (each rank's shard of them) along with labels="
         )
     num_items = kwargs.pop("num_items_in_batch", None)
-    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
-    kwargs.pop("logits_to_keep", None)  # 0: the input hook refuses others with labels
-    kwargs.pop("return_dict", None)  # True: likewise
+    problem = chunked_call_problem(kwargs.pop("logits_to_keep", 0), kwargs.pop("return_dict", None))
+    if problem:  # (apply_context_parallel's input hook raises it on every rank first)
+        raise ValueError(problem)
     out = model.model(input_ids=input_ids, **kwargs)
     lm_head = model.get_output_embeddings()
     weight, bias = lm_head.weight, lm_head.bias
@@ -336,10 +353,13 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
 
 
 def token_mean(loss_sum, labels_BL, num_items_in_batch, group, ignore_index=IGNORE_INDEX):
-    """The loss of a converted model from its sum over this rank's labels: the global token
-    mean (`causal_lm_loss`), or with transformers' `num_items_in_batch` (the Trainer's count
-    of valid labels over every rank and micro-batch of the step) this rank's share
-    sum / count, as transformers' `ForCausalLMLoss` computes it."""
+    """The loss of a converted model from its sum over this rank's labels: the token mean
+    over `group` (`causal_lm_loss`; without a group this process's), or with transformers'
+    `num_items_in_batch` (the Trainer's count of valid labels over every rank and micro-batch
+    of the step) this rank's share sum / count, as transformers' `ForCausalLMLoss` computes
+    it."""
+    if num_items_in_batch is None and group is None:
+        return loss_sum / count_valid(labels_BL, ignore_index)
     if num_items_in_batch is None:
         return global_token_mean(loss_sum, count_valid(labels_BL, ignore_index), group)
     if torch.is_tensor(num_items_in_batch):
@@ -396,3 +416,44 @@ def install(model, options: MemoryOptions, group) -> HFMemory:
 
         model.forward = types.MethodType(forward, model)
     return memory
+
+
+def apply_memory_features(model, *, group=None, **options):
+    """upipe's memory features on a Hugging Face causal LM whose attention is someone else's
+    -- DeepSpeed's or upipe's drop-ins for ALST (`upipe.integrations.deepspeed`), or none
+    (one process) -- in place; returns the model. `apply_context_parallel` takes the same
+    options itself: use this only without it.
+
+    `options`: the fields of `MemoryOptions`. `group`: the sequence-parallel group the
+    sequence is split over (each rank's `shift_labels` and position ids are its shard's, as
+    ALST's data loader adapter makes them); the chunked loss is then the mean over the
+    group's tokens (or, given `num_items_in_batch`, this rank's share), and each call is
+    checked on every rank of it before the model runs (a ValueError on all of them). Without
+    a group the loss is this process's mean, and labels= alone are shifted as transformers
+    shifts them."""
+    opts = MemoryOptions(**options)
+    problem = model_problem(model, opts)
+    if problem:
+        raise ValueError(problem)
+    memory = install(model, opts, group)
+    C = 1 if group is None else dist.get_world_size(group)
+
+    def check(module, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+
+        def local():
+            if x is None or x.dim() < 2:
+                raise ValueError("pass input_ids [batch, local_seq] or inputs_embeds")
+            problem = window_problem(module.config, C * x.shape[1])
+            problem = problem or memory.call_problem(module, kwargs)
+            if problem:
+                raise ValueError(problem)
+
+        if group is None:
+            local()
+        else:
+            agree_across_ranks(group, local, lambda: {"local batch x tokens": tuple(x.shape[:2])})
+
+    model.model.register_forward_pre_hook(check, with_kwargs=True)
+    return model
