@@ -56,6 +56,14 @@ def rel_err(actual: torch.Tensor, ref: torch.Tensor, *, scale: float = 1.0) -> f
     return ((actual.double() - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
 
 
+def grad_errors(grads: dict, ref: dict) -> dict[str, float]:
+    """`rel_err` of each parameter gradient against the reference's, at the scale of all of
+    them: a model's gradients are small (the loss is a mean over many tokens) without being
+    degenerate, so the floor is taken relative to the largest of them."""
+    scale = max(g.abs().max().item() for g in ref.values())
+    return {n: rel_err(grads[n], g, scale=scale) for n, g in ref.items()}
+
+
 def bf16_bound(single_device_err: float) -> float:
     """Allowed bf16 error of a strategy: a multiple of what one device in bf16 gets wrong."""
     return max(TOL[torch.bfloat16]["factor"] * single_device_err, TOL[torch.bfloat16]["floor"])

@@ -24,6 +24,16 @@ def _init_deepspeed():
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
+def forget_sequence_parallel_groups():
+    """Undo what ALST's `register_with_transformers` set process-wide besides transformers'
+    "sdpa" entry: DeepSpeed's sequence-parallel groups, which it refuses to initialise twice
+    (the test clusters' ranks serve several tests)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    parallel_state_sp._SEQUENCE_PARALLEL_GROUP = None
+    parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
+
+
 class LocalSDPA(torch.nn.Module):
     """The local attention both modules call: causal SDPA (GQA by `enable_gqa`) on
     `[B, S, n, d]`, or `[S, B, n, d]` when `seq_first`."""
@@ -178,5 +188,6 @@ def registered_hf_model(rank, world_size, state):
         loss.backward()
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        forget_sequence_parallel_groups()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return logits.detach(), loss.detach(), grads, type(registered).__name__

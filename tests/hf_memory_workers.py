@@ -132,7 +132,7 @@ def dropin_with_features(rank, world_size, state, options):
     (`UPipeSPAttentionHF.register_with_transformers`), with upipe's memory features added by
     `apply_memory_features`; the loss from the model (shift_labels=); returns the loss and
     the parameter gradients."""
-    from deepspeed_workers import _init_deepspeed
+    from deepspeed_workers import _init_deepspeed, forget_sequence_parallel_groups
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from upipe.integrations.deepspeed import UPipeSPAttentionHF
@@ -159,5 +159,6 @@ def dropin_with_features(rank, world_size, state, options):
         out.loss.backward()
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        forget_sequence_parallel_groups()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out.loss.detach(), grads, out.logits is None, []

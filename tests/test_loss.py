@@ -75,3 +75,25 @@ def test_chunk_must_be_positive():
     h, w, _, labels = _case(torch.float32, False)
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1, got 0"):
         cross_entropy_sum(h, w, labels, chunk_tokens=0)
+
+
+@pytest.mark.parametrize("chunk", [7, 74])
+def test_norm_inside_the_chunks(chunk):
+    """The final norm applied chunk by chunk inside the loss (the normalised [N, D] never
+    exists): the loss and the gradients of h, W and the norm's weight as with the norm run
+    on all rows first."""
+    h, w, _, labels = _case(torch.float32, False, seed=2)
+    norm = torch.nn.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(16, generator=torch.Generator().manual_seed(3)))
+    inputs = [h, w, norm.weight]
+    full = cross_entropy_sum(norm(h), w, labels)
+    chunked = cross_entropy_sum(h, w, labels, chunk_tokens=chunk, norm=norm)
+    assert abs(chunked.item() - full.item()) <= 4 * torch.finfo(torch.float32).eps * full.item()
+    ref = _grads(full, inputs, 0.37)
+    got = _grads(chunked, inputs, 0.37)
+    for a, r in zip(got, ref, strict=True):
+        assert rel_err(a, r) < 1e-6
+    with torch.no_grad():
+        no_grad = cross_entropy_sum(h, w, labels, chunk_tokens=chunk, norm=norm)
+    assert abs(no_grad.item() - full.item()) <= 4 * torch.finfo(torch.float32).eps * full.item()

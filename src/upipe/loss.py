@@ -35,31 +35,39 @@ def cross_entropy_sum(
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     bias_V: torch.Tensor | None = None,
+    norm: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """Sum over valid tokens of -log softmax(hidden @ weight.T + bias)[label], in fp32.
+    """Sum over valid tokens of -log softmax(norm(hidden) @ weight.T + bias)[label], in fp32.
 
-    With `chunk_tokens` the `[N, V]` logits never exist: `chunk_tokens` rows at a time, the
-    forward computes each chunk's loss *and* its gradients (`_FusedChunkedCrossEntropy`), so
-    the logits are computed once, not again in backward; peak extra memory is two
-    `[chunk_tokens, V]` fp32 blocks while a chunk runs, plus what backward needs anyway (the
-    gradient of the hidden states, `[N, D]`, in place of the hidden states, and the fp32
-    weight gradient that becomes `.grad`). Without grad (evaluation) only the loss is
-    computed, chunk by chunk.
+    `norm`: a row-wise module applied to the hidden states first (the final RMSNorm), or None.
+
+    With `chunk_tokens` neither the `[N, V]` logits nor the normalised `[N, D]` hidden
+    states exist: `chunk_tokens` rows at a time, the forward normalises the chunk, computes
+    its loss *and* its gradients (`_FusedChunkedCrossEntropy`), so the logits are computed
+    once, not again in backward, and the norm runs once. Memory beyond the inputs: two
+    `[chunk_tokens, V]` fp32 blocks while a chunk runs, the gradient of the hidden states
+    (`[N, D]`, fp32 for half inputs) and the fp32 weight gradient that becomes `.grad`.
+    Without grad (evaluation) only the loss is computed, chunk by chunk.
     """
     h_ND, labels_N = hidden_BLD.reshape(-1, hidden_BLD.shape[-1]), labels_BL.reshape(-1)
     if chunk_tokens is None:
+        h_ND = h_ND if norm is None else norm(h_ND)
         logits_NV = F.linear(h_ND, weight_VD, bias_V).float()
         return F.cross_entropy(logits_NV, labels_N, ignore_index=ignore_index, reduction="sum")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    inputs = (h_ND, weight_VD) if bias_V is None else (h_ND, weight_VD, bias_V)
+    params = () if norm is None else tuple(norm.parameters())
+    inputs = [t for t in (h_ND, weight_VD, bias_V, *params) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        # the hidden states go in with their own shape, so that their gradient comes back
+        # as a tensor of its own, not a view (which the checkpoint before would have to copy)
         return _FusedChunkedCrossEntropy.apply(
-            h_ND, weight_VD, bias_V, labels_N, chunk_tokens, ignore_index
+            hidden_BLD, weight_VD, bias_V, labels_N, chunk_tokens, ignore_index, norm, *params
         )
     total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
     for s in loops.tile_starts(h_ND.shape[0], chunk_tokens):
-        logp_nV = _log_probs(h_ND[s : s + chunk_tokens], weight_VD, bias_V)
+        h_nD = h_ND[s : s + chunk_tokens]
+        logp_nV = _log_probs(h_nD if norm is None else norm(h_nD), weight_VD, bias_V)
         total += F.nll_loss(
             logp_nV, labels_N[s : s + chunk_tokens], ignore_index=ignore_index, reduction="sum"
         )
@@ -73,61 +81,89 @@ def _log_probs(h_nD, weight_VD, bias_V):
 
 
 class _FusedChunkedCrossEntropy(torch.autograd.Function):
-    """loss = sum_n [lse(z_n) - z_n[y_n]] over valid n, z_n = W h_n + b, with the gradients
-    computed in the same pass, chunk by chunk:
+    """loss = sum_n [lse(z_n) - z_n[y_n]] over valid n, z_n = W norm(h_n) + b, with the
+    gradients computed in the same pass, chunk by chunk:
 
         d loss / d z_n = softmax(z_n) - onehot(y_n)      (0 for ignored n)
-        dh_n = (d loss / d z_n) W,   dW = sum_n (d loss / d z_n)^T h_n,   db = sum_n ...
+        dW = sum_n (d loss / d z_n)^T norm(h_n),  db = sum_n d loss / d z_n,
+        d loss / d norm(h_n) = (d loss / d z_n) W,  then back through the chunk's norm:
+        dh_n and the norm's parameter gradients (`torch.autograd.grad`, not into .grad)
 
     The loss is a graph's last node, so the gradient that reaches it in backward is one
-    scalar g (1, or the Trainer's loss scale): backward only multiplies the saved dh, dW, db
-    by g (dh is rounded to h's dtype then, dW and db to the weights'). The logits are computed
-    once per step (a chunk's forward GEMM), not once more in backward: 3 GEMMs of N x V x D
-    instead of 4. Per chunk the loss is
-    `nll_loss(log_softmax(z))`, which is what `F.cross_entropy` computes (so each chunk's
-    loss is that of the unchunked loss's rows; only the sum over chunks is in another order),
-    and softmax(z) is exp of those log-probabilities, as `F.cross_entropy`'s own backward
-    computes it. dW and db are summed in fp32 and rounded once, in backward."""
+    scalar g (1, or the Trainer's loss scale): backward only multiplies the saved gradients
+    by g (dh is rounded to h's dtype then, the parameters' to theirs). The logits are
+    computed once per step (a chunk's forward GEMM), not once more in backward: 3 GEMMs of
+    N x V x D instead of 4. Per chunk the loss is `nll_loss(log_softmax(z))`, which is what
+    `F.cross_entropy` computes (so each chunk's loss is that of the unchunked loss's rows;
+    only the sum over chunks is in another order), and softmax(z) is exp of those
+    log-probabilities, as `F.cross_entropy`'s own backward computes it. Parameter gradients
+    are summed in fp32 and rounded once, in backward."""
 
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, bias_V, labels_N, chunk, ignore_index):
-        needs_h, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        needs_b = bias_V is not None and ctx.needs_input_grad[2]
+    def forward(ctx, hidden_BLD, weight_VD, bias_V, labels_N, chunk, ignore_index, norm, *params):
+        needs = ctx.needs_input_grad
+        h_ND = hidden_BLD.reshape(-1, hidden_BLD.shape[-1])
+        params_wanted = [p for p, want in zip(params, needs[7:], strict=True) if want]
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         # dh is kept in fp32 for half-precision h, so that scaling it by g in backward
         # rounds it once (one [N, D] half tensor more, at the loss only)
-        dh_ND = torch.empty_like(h_ND, dtype=acc_dtype(h_ND.dtype)) if needs_h else None
-        dW_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if needs_w else None
-        db_V = torch.zeros_like(bias_V, dtype=torch.float32) if needs_b else None
+        dh_BLD = None
+        if needs[0]:
+            dh_BLD = h_ND.new_empty(hidden_BLD.shape, dtype=acc_dtype(h_ND.dtype))
+        dh_ND = None if dh_BLD is None else dh_BLD.view(h_ND.shape)
+        grads32 = [  # W, b, the norm's parameters: fp32 sums
+            None if t is None or not want else torch.zeros_like(t, dtype=torch.float32)
+            for t, want in zip(
+                (weight_VD, bias_V, *params), (needs[1], needs[2], *needs[7:]), strict=True
+            )
+        ]
         for s in loops.tile_starts(h_ND.shape[0], chunk):
-            h_nD, y_n = h_ND[s : s + chunk], labels_N[s : s + chunk]
-            dz_nV = _log_probs(h_nD, weight_VD, bias_V)
+            x_nD, y_n = h_ND[s : s + chunk], labels_N[s : s + chunk]
+            h_nD = x_nD
+            if norm is not None:  # a small graph: the chunk's norm, back-propagated below
+                with torch.enable_grad():
+                    x_nD = x_nD.detach().requires_grad_(needs[0])
+                    h_nD = norm(x_nD)
+            dz_nV = _log_probs(h_nD.detach(), weight_VD, bias_V)
             total += F.nll_loss(dz_nV, y_n, ignore_index=ignore_index, reduction="sum")
             dz_nV.exp_()  # softmax
             valid_n1 = (y_n != ignore_index).unsqueeze(1)
             # - onehot(y) on valid rows, without a data-dependent index (no device sync)
             dz_nV.scatter_add_(1, y_n.clamp_min(0).unsqueeze(1), -valid_n1.to(dz_nV.dtype))
             dz_nV *= valid_n1
-            if dh_ND is not None:
+            if grads32[0] is not None:
+                grads32[0].addmm_(dz_nV.T, h_nD.detach().float())
+            if grads32[1] is not None:
+                grads32[1] += dz_nV.sum(0)
+            if dh_ND is not None or params_wanted:
                 # in the weights' dtype (bf16 inputs, fp32 accumulation): no fp32 copy of W
-                dh_ND[s : s + chunk] = dz_nV.to(weight_VD.dtype) @ weight_VD
-            if dW_VD is not None:
-                dW_VD.addmm_(dz_nV.T, h_nD.float())
-            if db_V is not None:
-                db_V += dz_nV.sum(0)
-            del dz_nV
-        ctx.grads = (dh_ND, dW_VD, db_V)
-        ctx.dtypes = (h_ND.dtype, weight_VD.dtype, None if bias_V is None else bias_V.dtype)
+                dh_nD = dz_nV.to(weight_VD.dtype) @ weight_VD
+                del dz_nV
+                if norm is not None:
+                    wrt = ([x_nD] if dh_ND is not None else []) + params_wanted
+                    got = list(torch.autograd.grad(h_nD, wrt, dh_nD.to(h_nD.dtype)))
+                    dh_nD = got.pop(0) if dh_ND is not None else None
+                    for acc, g in zip([a for a in grads32[2:] if a is not None], got, strict=True):
+                        acc += g
+                if dh_ND is not None:
+                    dh_ND[s : s + chunk] = dh_nD
+            del h_nD, x_nD
+        ctx.grads = (dh_BLD, *grads32)
+        ctx.dtypes = (
+            h_ND.dtype,
+            *(None if t is None else t.dtype for t in (weight_VD, bias_V, *params)),
+        )
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        dh_ND, dW_VD, db_V = ctx.grads
+        grads, dtypes = ctx.grads, ctx.dtypes
         del ctx.grads
-        out = []
-        for t, dtype in zip((dh_ND, dW_VD, db_V), ctx.dtypes, strict=True):
-            out.append(None if t is None else t.mul_(grad).to(dtype))
-        return out[0], out[1], out[2], None, None, None
+        out = [
+            None if t is None else t.mul_(grad).to(dtype)
+            for t, dtype in zip(grads, dtypes, strict=True)
+        ]
+        return out[0], out[1], out[2], None, None, None, None, *out[3:]
 
 
 def count_valid(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

@@ -317,9 +317,12 @@ def _decoder_stack(
     cache=None,
     inputs_embeds=None,
     use_cache=None,
+    _upipe_final_norm=True,
     **kwargs,
 ):
-    """The decoder stack's forward (module doc); its input hook has checked the call."""
+    """The decoder stack's forward (module doc); its input hook has checked the call.
+    `_upipe_final_norm=False` (from the chunked loss, which runs the norm in its chunks):
+    the last layer's output, not normalised."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     if (input_ids is None) == (inputs_embeds is None):
@@ -330,7 +333,9 @@ def _decoder_stack(
     cos_sin = base.rotary_emb(x_BLD, position_ids=position_ids)
     layers = list(base.layers[: base.config.num_hidden_layers])
     x_BLD = memory.run_layers(base, layers, x_BLD, (cos_sin, position_ids, kwargs))
-    return BaseModelOutputWithPast(last_hidden_state=recomputed(base.norm, x_BLD))
+    if _upipe_final_norm:
+        x_BLD = recomputed(base.norm, x_BLD)
+    return BaseModelOutputWithPast(last_hidden_state=x_BLD)
 
 
 def chunked_call_problem(logits_to_keep, return_dict) -> str | None:
@@ -369,7 +374,11 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
     problem = chunked_call_problem(kwargs.pop("logits_to_keep", 0), kwargs.pop("return_dict", None))
     if problem:  # (apply_context_parallel's input hook raises it on every rank first)
         raise ValueError(problem)
-    out = model.model(input_ids=input_ids, **kwargs)
+    base = model.model
+    stack_is_upipes = memory.options.layers_replaced
+    out = base(
+        input_ids=input_ids, **kwargs, **({"_upipe_final_norm": False} if stack_is_upipes else {})
+    )
     lm_head = model.get_output_embeddings()
     weight, bias = lm_head.weight, lm_head.bias
     if hasattr(weight, "full_tensor"):  # an FSDP2 unit of its own: sharded outside its call
@@ -381,6 +390,7 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
         chunk_tokens=memory.options.loss_chunk,
         ignore_index=ignore_index,
         bias_V=bias,
+        norm=base.norm if stack_is_upipes else None,  # in the loss's chunks
     )
     loss = token_mean(loss_sum, shift_labels, num_items, memory.group, ignore_index)
     return CausalLMOutputWithPast(loss=loss, logits=None)

@@ -172,8 +172,15 @@ class CausalLM(nn.Module):
             p.copy_(full)
 
     def hidden(
-        self, input_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor, *, cu_seqlens=None
+        self,
+        input_ids_BL: torch.Tensor,
+        position_ids_BL: torch.Tensor,
+        *,
+        cu_seqlens=None,
+        final_norm: bool = True,
     ) -> torch.Tensor:
+        """The last block's output, through the final norm unless `final_norm` is False."""
+        norm = self.model.norm if final_norm else torch.nn.Identity()
         if isinstance(cu_seqlens, torch.Tensor):  # read once here, not once per layer
             cu_seqlens = tuple(cu_seqlens.tolist()) if cu_seqlens.dim() == 1 else cu_seqlens
         h_BLD = self.model.embed_tokens(input_ids_BL)
@@ -181,7 +188,7 @@ class CausalLM(nn.Module):
         if not self.recompute_blocks:
             for block in self.model.layers:
                 h_BLD = block(h_BLD, *args)
-            return self.model.norm(h_BLD)
+            return norm(h_BLD)
         m, blocks = int(self.recompute_blocks), list(self.model.layers)
         for j, start in enumerate(range(0, len(blocks), m)):  # checkpoint j: m blocks
             offload = (
@@ -190,16 +197,24 @@ class CausalLM(nn.Module):
             h_BLD = activation_checkpoint(
                 blocks[start : start + m], h_BLD, *args, offload=offload, index=j
             )
-        return self.model.norm(h_BLD)
+        return norm(h_BLD)
 
     def forward(self, input_ids_BL, position_ids_BL, labels_BL=None, *, cu_seqlens=None):
         """`cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full (unsharded)
         sequence, the same for every batch row: attention stays within each document (pass
         position ids restarting per document, `upipe.packing.document_positions`). A CUDA
         tensor is read to the host once per call (one sync); a CPU tensor or ints: none."""
-        h_BLD = self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens)
         if labels_BL is None:
-            return self.lm_head(h_BLD)
+            return self.lm_head(self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens))
+        if self.loss_chunk_tokens is None:
+            h_BLD = self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens)
+            return cross_entropy_sum(h_BLD, self.lm_head.weight, labels_BL)
+        # chunked: the final norm runs inside the loss's chunks (no normalised [B, L, D])
+        h_BLD = self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens, final_norm=False)
         return cross_entropy_sum(
-            h_BLD, self.lm_head.weight, labels_BL, chunk_tokens=self.loss_chunk_tokens
+            h_BLD,
+            self.lm_head.weight,
+            labels_BL,
+            chunk_tokens=self.loss_chunk_tokens,
+            norm=self.model.norm,
         )
