@@ -54,6 +54,8 @@ The ops take ``[B, heads, len, d]``.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from cuda_emulation import _HALF, _backward_math, _check, _forward_math, _no_dropout, _scale
 
@@ -62,6 +64,7 @@ __all__ = ["install"]
 ARCH = (9, 0)  # the emulated GPU (H200, as the project's GPU machine)
 CUDNN_VERSION = 91100
 _LIB: torch.library.Library | None = None
+CALLS = collections.Counter()  # kernel calls in this process ("forward", "backward")
 _NOT_EMULATED = "cudnn_emulation: {} is not emulated"
 _UNCHECKED = "cudnn_emulation: {} (unchecked on CUDA)"
 
@@ -92,10 +95,6 @@ def _common(q, k, v, attn_bias, dropout_p, tensors):
             "The stride for the last dimension corresponding to the embedding size per head "
             f"should be 1 for {name}",
         )
-        _check(
-            t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]),
-            _UNCHECKED.format(f"{name} is not 16-byte aligned (misaligned address)"),
-        )
     B, H, M, d = q.shape
     G, N = k.shape[1], k.shape[2]
     _check(tuple(k.shape) == (B, G, N, d) and k.shape == v.shape, "k/v must be [B, G, N, d]")
@@ -116,6 +115,11 @@ def _common(q, k, v, attn_bias, dropout_p, tensors):
         "(sdp_utils check_cudnn_tensor_shapes; cudnn-frontend 's_q = s_kv = 1 is not "
         "supported'; decode refused on cuDNN 9.19-9.25 sm10x)",
     )
+    for name, t in tensors:  # (the graph's checks above come first, then the launch)
+        _check(
+            t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]),
+            _UNCHECKED.format(f"{name} is not 16-byte aligned (misaligned address)"),
+        )
     return B, H, M, N, d
 
 
@@ -133,6 +137,7 @@ def _forward(
 ):
     tensors = (("Q", query), ("K", key), ("V", value))
     B, H, M, N, d = _common(query, key, value, attn_bias, dropout_p, tensors)
+    CALLS["forward"] += 1
     out, lse = _forward_math(query, key, value, _scale(scale, d), is_causal, bottom_right=False)
     res = torch.empty_like(query)  # alloc_with_matching_layout: out's shape is q's
     res.copy_(out)
@@ -189,6 +194,7 @@ def _backward(
         (max_q, max_k) == (M, N),
         _UNCHECKED.format(f"max_q/max_k are the graph's s_q/s_kv {(M, N)}, got {(max_q, max_k)}"),
     )
+    CALLS["backward"] += 1
     dq, dk, dv = _backward_math(
         grad_out, query, key, value, out, lse[..., 0], _scale(scale, d), is_causal, False
     )

@@ -307,6 +307,7 @@ def validate_qkv(
             "device type": q.device.type,
             "causal": causal,
             "softmax_scale": softmax_scale,
+            "backend": backend,
             **(extra_signature or {}),
         }
 

@@ -195,7 +195,8 @@ class ContextParallelAttention(nn.Module):
             check_kernel(self.backend, x.device, x.dtype, self.head_dim)
 
         def signature():
-            return {"x shape": tuple(x.shape), "dtype": str(x.dtype), **docs.signature()}
+            sig = {"x shape": tuple(x.shape), "dtype": str(x.dtype), "backend": self.backend}
+            return {**sig, **docs.signature()}
 
         group, cohort = self.agree or (self.group, None)
         device = x.device if isinstance(x, torch.Tensor) else None
