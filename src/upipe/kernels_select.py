@@ -102,7 +102,7 @@ _INSTALL = {
 
 def forget() -> None:
     """Forget what was found installed and every `auto` choice (tests install stand-ins)."""
-    for fn in (flash_attn_version, _module_found, cudnn_version, _auto):
+    for fn in _CACHES:
         fn.cache_clear()
 
 
@@ -304,6 +304,9 @@ def _auto(device, dtype, head_dim, documents, active) -> str:
             )
             return kernel
     raise ValueError(kernel_problem(line[-1], device, dtype, head_dim))
+
+
+_CACHES = (flash_attn_version, _module_found, cudnn_version, _auto)
 
 
 def activate(kernel: str) -> None:
