@@ -167,22 +167,30 @@ def test_flash_path_keeps_gqa_heads(monkeypatch):
 
 
 def test_default_backend_follows_dtype(monkeypatch):
-    """With flash-attn installed, fp32 still goes to torch's kernel (flash-attn rejects it);
-    a flash-attn older than 2.7 (other backward arguments) is never picked, and asking for
-    it explicitly is a clear error."""
+    """On an A100 (sm80) auto takes the flash-attn package for fp16/bf16 when a supported
+    version is installed, and fp32 goes to torch's memory-efficient kernel (flash-attn
+    rejects it); a flash-attn older than 2.7 (other backward arguments) is never picked, and
+    asking for it explicitly is a clear error. (The rule on other GPUs:
+    test_kernel_select.py.)"""
+    from upipe import kernels_select
+
     cuda = torch.device("cuda")
-    for version, half, fp32 in (((2, 7), "flash_attn", "cuda"), ((2, 6), "cuda", "cuda")):
-        monkeypatch.setattr(kernels, "flash_attn_version", lambda v=version: v)
+    monkeypatch.setattr(kernels_select, "device_capability", lambda d: (8, 0))
+    for version, half in (((2, 7), "flash_attn"), ((2, 6), "flash")):
+        monkeypatch.setattr(kernels_select, "flash_attn_version", lambda v=version: v)
+        kernels_select.forget()
         assert kernels.default_backend(cuda, torch.bfloat16) == half
-        assert kernels.default_backend(cuda, torch.float32) == fp32
+        assert kernels.default_backend(cuda, torch.float32) == "efficient"
     q, k, v, _ = (t.bfloat16() for t in make_qkv(B=1, S=8, H=2, G=2, d=8))
     with pytest.raises(ValueError, match=r"flash-attn package >= 2.7 \(version 2.6\)"):
         kernels.attention_forward(q, k, v, backend="flash_attn")
-    monkeypatch.setattr(kernels, "flash_attn_version", lambda: (2, 8))
+    monkeypatch.setattr(kernels_select, "flash_attn_version", lambda: (2, 8))
     with pytest.raises(ValueError, match="takes fp16/bf16 inputs"):
         kernels.attention_forward(q.float(), k.float(), v.float(), backend="flash_attn")
-    monkeypatch.setattr(kernels, "flash_attn_version", lambda: None)
-    assert kernels.default_backend(cuda, torch.bfloat16) == "cuda"
+    monkeypatch.setattr(kernels_select, "flash_attn_version", lambda: None)
+    kernels_select.forget()
+    assert kernels.default_backend(cuda, torch.bfloat16) == "flash"
+    kernels_select.forget()
 
 
 def test_fused_op_uses_out_dtype_gemms():
@@ -210,8 +218,10 @@ def test_fused_op_uses_out_dtype_gemms():
 def test_flash_attn_package_path(monkeypatch, d, G):
     """backend="flash_attn" against a stand-in with the package's 2.7 contract: the backward's
     keyword arguments, head dims padded to a multiple of 8 for the backward, GQA native."""
+    from upipe import kernels_select
+
     fake_flash_attn.install(monkeypatch)
-    monkeypatch.setattr(kernels, "flash_attn_version", lambda: (2, 7))
+    monkeypatch.setattr(kernels_select, "flash_attn_version", lambda: (2, 7))
     shape = dict(B=2, S=32, H=4, G=G, d=d)
     ref, bounds = _bounds(shape, torch.bfloat16, backend="cpu")  # the stand-in's numbers
     q, k, v, dout = (t.bfloat16() for t in make_qkv(**shape))
