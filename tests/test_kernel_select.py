@@ -222,3 +222,21 @@ def test_step_tracker_charges_the_chosen_kernel():
     ws = {k: backward_workspace_bytes(k, 1, 256, 256, 8, 2, 64, 2) for k in peaks}
     assert peaks["flash"] - peaks["cudnn"] == ws["flash"] - ws["cudnn"]
     assert peaks["flash"] - peaks["fa3"] == ws["flash"] - ws["fa3"]
+
+
+def test_cudnn_ops_checked_against_the_arguments_upipe_passes(monkeypatch):
+    """`torch_private.cudnn_sdpa_ops`: the schema gate (a torch that reorders the cuDNN
+    ops' arguments fails there, naming the op, instead of misreading one)."""
+    from upipe import torch_private
+
+    forward, backward = torch_private.cudnn_sdpa_ops()
+    assert forward is torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    assert backward is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    name = "_scaled_dot_product_cudnn_attention"
+    monkeypatch.setitem(torch_private._CUDNN_SDPA_ARGS, name, ("query", "key", "value"))
+    torch_private.cudnn_sdpa_ops.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=f"aten::{name} takes .*kernels_cuda needs updating"):
+            torch_private.cudnn_sdpa_ops()
+    finally:
+        torch_private.cudnn_sdpa_ops.cache_clear()
