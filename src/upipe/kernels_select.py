@@ -41,7 +41,7 @@ the package or the limit and the fix (`upipe.kernels.check_kernel`).
     an FA3/FA4 impl already active     -> fa3 / fa4 (torch's flash ops run it anyway)
     fp16/bf16, sm90 (H100, H200)       -> fa3 if available, else cudnn
     fp16/bf16, sm100/sm103 (B200/B300) -> fa4 if available, else cudnn
-    fp16/bf16, sm80/86/89 (A100, ...)  -> flash_attn (>= 2.7) if installed, else flash
+    fp16/bf16, other sm80+ (A100, ...) -> flash_attn (>= 2.7) if installed, else flash
     older GPUs                         -> efficient (FA2 needs sm80)
     a kernel over its head-dim limit   -> the next one down the same line (flash, efficient)
     packed documents (`documents=True`): flash instead of cudnn
