@@ -229,6 +229,7 @@ def test_cudnn_ops_checked_against_the_arguments_upipe_passes(monkeypatch):
     ops' arguments fails there, naming the op, instead of misreading one)."""
     from upipe import torch_private
 
+    assert torch_private.cudnn_lse_dims() == 4  # [B, H, S, 1], from torch 2.13's meta kernel
     forward, backward = torch_private.cudnn_sdpa_ops()
     assert forward is torch.ops.aten._scaled_dot_product_cudnn_attention.default
     assert backward is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default

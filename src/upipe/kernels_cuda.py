@@ -24,7 +24,9 @@ Contracts (torch's sources; `tests/cuda_emulation.py`, `tests/cudnn_emulation.py
   `_scaled_dot_product_cudnn_attention_cuda` -> `_cudnn_attention_forward` (dense when
   cum_seq_q is not given) -> cudnn/MHA.cpp `run_cudnn_SDP_fprop`: out allocated like q
   (`alloc_with_matching_layout`), lse `at::empty({b, h, s_q, 1}, kFloat)` -- fp32 `[B, H, S, 1]`
-  contiguous -- with compute_log_sumexp=True (undefined otherwise), philox seed/offset int64
+  contiguous (older MHA.cpp sources allocate `{b, h, s_q}`: `torch_private.cudnn_lse_dims`
+  reads which from torch's meta kernel) -- with compute_log_sumexp=True (undefined
+  otherwise), philox seed/offset int64
   scalars; k/v keep their G heads (the graph takes K `[b, h_k, s_kv, d]`; cudnn-frontend
   accepts h_q % h_k == 0), causal is the top-left diagonal. Its backward
   `_scaled_dot_product_cudnn_attention_backward(grad_out, q, k, v, out, logsumexp,
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from upipe.torch_private import cudnn_sdpa_ops
+from upipe.torch_private import cudnn_lse_dims, cudnn_sdpa_ops
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -148,7 +150,8 @@ def cudnn_forward(q, k, v, causal, scale):
     d = q.shape[-1]
     res = forward(*_bhsd(*pad8(q, k, v)), None, True, 0.0, causal, False, scale=scale)
     (out,) = unpad(d, res[0].transpose(1, 2))
-    return out, res[1][..., 0]  # [B, H, S, 1] -> [B, H, S] (a contiguous view)
+    lse = res[1]
+    return out, lse[..., 0] if lse.dim() == 4 else lse  # [B, H, S, 1] -> [B, H, S] (a view)
 
 
 def cudnn_backward(dout, q, k, v, out, lse, causal, scale):
@@ -157,7 +160,8 @@ def cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     _, backward = cudnn_sdpa_ops()
     S, Sk, d = q.shape[1], k.shape[1], q.shape[-1]
     philox = torch.empty((), dtype=torch.int64, device=q.device)  # module doc: defined
-    lse_BHS1 = lse.contiguous().unsqueeze(-1)  # the forward's [B, H, S, 1] layout
+    lse = lse.contiguous()  # the forward's layout: [B, H, S, 1] (or [B, H, S], older torch)
+    lse_BHS1 = lse.unsqueeze(-1) if cudnn_lse_dims() == 4 else lse
     dq, dk, dv = backward(
         *_bhsd(*pad8(dout, q, k, v, out)), lse_BHS1, philox, philox, None, None, None, S, Sk,
         0.0, causal, scale=scale,

@@ -22,6 +22,7 @@ __all__ = [
     "FSDPParam",
     "ShardedState",
     "TorchDispatchMode",
+    "cudnn_lse_dims",
     "cudnn_sdpa_ops",
     "current_graph_task_id",
     "flatten_mesh",
@@ -105,3 +106,17 @@ def cudnn_sdpa_ops():
             )
         ops.append(op)
     return tuple(ops)
+
+
+@functools.cache
+def cudnn_lse_dims() -> int:
+    """How many dims the lse of aten's cuDNN forward has: 4 (`[B, H, S, 1]`, torch 2.13's
+    cudnn/MHA.cpp `run_cudnn_SDP_fprop`), or 3 (`[B, H, S]`, as older MHA.cpp sources
+    allocated it). Read from this torch's meta kernel of the op, which mirrors the CUDA op's
+    outputs (torch.compile relies on it), so no GPU is needed to know it."""
+    forward, _ = cudnn_sdpa_ops()
+    q = torch.empty(1, 1, 2, 8, device="meta", dtype=torch.bfloat16)
+    try:
+        return forward(q, q, q, None, True)[1].dim()
+    except NotImplementedError:  # no meta kernel: the layout of torch 2.13's CUDA op
+        return 4
