@@ -48,7 +48,10 @@ The SDPA ops take ``[B, heads, len, d]``; the kernels behind them see ``[B, len,
    rejected, as is NaN/-inf in its padding (it would turn dK/dV into NaN); fp16/bf16 read
    ``out`` with an implied row stride H * d (kernel_backward.h ``o_strideM``), i.e. out must
    have the layout the forward returned. Returns (dq, dk, dv, None) whatever grad_input_mask.
-5. ``mm.dtype`` / ``mm.dtype_out`` / ``addmm.dtype`` / ``addmm.dtype_out`` -- cuda/Blas.cpp
+5. While torch has an FA3 / FA4 impl active (`torch.nn.attention.current_flash_attention_impl()`)
+   the CUDA dispatcher runs that impl's wrapper for 1. and 2.: so do these kernels, with
+   the contract written in flash_impl_emulation.py (`REROUTED`).
+6. ``mm.dtype`` / ``mm.dtype_out`` / ``addmm.dtype`` / ``addmm.dtype_out`` -- cuda/Blas.cpp
    ``_mm_dtype_out_cuda``, ``_addmm_dtype_out_cuda``, ``addmm_out_cuda_impl``: operands share
    one dtype; out_dtype is that dtype or fp32 for fp16/bf16 operands; an ``out`` tensor must
    have out_dtype; addmm's self must have out_dtype or the operands' dtype; mm.dtype_out
@@ -78,6 +81,21 @@ _C10_NAMES = {
     torch.int64: "Long",
 }
 _NOT_EMULATED = "cuda_emulation: {} is not emulated"
+# impl ("FA3" / "FA4") -> the flash ops' emulation while torch has it active: the CUDA
+# dispatcher then runs torch's wrapper of that impl instead (flash_impl_emulation.py)
+REROUTED: dict[str, dict] = {}
+
+
+def _rerouted(op: str):
+    """The emulation of `op` under the active flash impl, or None under torch's FA2."""
+    impl = torch.nn.attention.current_flash_attention_impl()
+    if impl is None:
+        return None
+    _check(
+        impl in REROUTED,
+        f"cuda_emulation: {impl} is active but flash_impl_emulation is not installed",
+    )
+    return REROUTED[impl][op]
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -161,6 +179,8 @@ def _no_dropout(dropout_p: float) -> None:
 def _flash_forward(
     query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
 ):
+    if rerouted := _rerouted("sdpa_forward"):
+        return rerouted(query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
     _check(
         all(t.dim() == 4 for t in (query, key, value)),
         "cuda_emulation: _scaled_dot_product_flash_attention takes 4-D [B, heads, len, d]",
@@ -245,6 +265,20 @@ def _flash_backward(
     # attention_backward.cu _scaled_dot_product_flash_attention_backward_cuda
     if grad_out is None:
         return None, None, None
+    if rerouted := _rerouted("sdpa_backward"):
+        args = (cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal)
+        return rerouted(
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            *args,
+            philox_seed,
+            philox_offset,
+            scale=scale,
+        )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     # _flash_attention_backward: dout and out are made contiguous ([B, M, H, d])
     dout, o = (t.transpose(1, 2).contiguous() for t in (grad_out, out))

@@ -358,3 +358,183 @@ def test_same_dtype_gemm_is_allowed():
     a, b = mats(dtype=torch.float32)
     got = torch.mm(a, b, out_dtype=torch.float32)
     assert math.isclose(rel_err(got, a.double() @ b.double()), 0.0, abs_tol=1e-6)
+
+
+# --- cuDNN (cudnn_emulation.py) ---------------------------------------------------------
+
+
+@pytest.fixture
+def cudnn_emu(monkeypatch):
+    import cudnn_emulation
+
+    cudnn_emulation.install()
+    return cudnn_emulation
+
+
+def cudnn_fwd(q, k, v, causal=True, lse=True):
+    return aten._scaled_dot_product_cudnn_attention(*bhsd(q, k, v), None, lse, 0.0, causal)
+
+
+def cudnn_bwd(dout, q, k, v, out_BHSd, lse, causal=True, cum=None, philox="defined", max_q=None):
+    seed = torch.empty((), dtype=torch.int64) if philox == "defined" else None
+    S, N = q.shape[1], k.shape[1]
+    args = (*bhsd(dout, q, k, v), out_BHSd, lse, seed, seed, None, cum, cum)
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        *args, S if max_q is None else max_q, N, 0.0, causal
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16])
+@pytest.mark.parametrize("G", [4, 2, 1])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_matches_reference(cudnn_emu, causal, G, dtype):
+    q, k, v, dout = make(G=G, dtype=dtype)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, causal)
+    res = cudnn_fwd(q, k, v, causal)
+    out, lse = res[0], res[1]
+    assert rel_err(out.transpose(1, 2), ref_out) < TOL[BF16]["fwd"]
+    assert rel_err(lse[..., 0], ref_lse) < 1e-5
+    dq, dk, dv = cudnn_bwd(dout, q, k, v, out, lse, causal)
+    assert dk.shape == dv.shape == (2, G, 16, 16)  # GQA native: the kv heads' gradients
+    for got, want in ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
+        assert got.dtype == dtype and rel_err(got.transpose(1, 2), want) < TOL[BF16]["bwd"]
+
+
+def test_cudnn_returns_what_the_cuda_op_returns(cudnn_emu):
+    q, k, v, dout = make()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, debug = cudnn_fwd(q, k, v)
+    assert out.stride() == q.transpose(1, 2).stride()  # allocated like q: [B, S, H, d] memory
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 16, 1) and lse.is_contiguous()
+    assert cum_q is None and cum_k is None and debug is None
+    assert (max_q, max_k) == (16, 16)
+    assert seed.dtype == offset.dtype == torch.int64 and seed.shape == ()
+    assert cudnn_fwd(q, k, v, lse=False)[1] is None  # no lse without compute_log_sumexp
+    dq, dk, _ = cudnn_bwd(dout, q, k, v, out, lse)
+    assert dq.stride() == q.transpose(1, 2).stride() and dk.stride() == k.transpose(1, 2).stride()
+
+
+def test_cudnn_rejects_fp32_and_mixed_dtypes(cudnn_emu):
+    with pytest.raises(RuntimeError, match="graph's io type is HALF.*misread"):
+        cudnn_fwd(*make(dtype=torch.float32)[:3])
+    q, k, v, _ = make()
+    with pytest.raises(RuntimeError, match="graph's io type is BFLOAT16.*misread"):
+        cudnn_fwd(q, k.half(), v)
+
+
+def test_cudnn_backward_needs_undefined_cum_seq_and_defined_philox(cudnn_emu):
+    q, k, v, dout = make()
+    out, lse = cudnn_fwd(q, k, v)[:2]
+    empty = torch.empty(0, dtype=torch.int32)  # defined: the nested path
+    with pytest.raises(RuntimeError, match=r"expected a 2D \(H, T\) softmax_lse"):
+        cudnn_bwd(dout, q, k, v, out, lse, cum=empty)
+    with pytest.raises(RuntimeError, match="philox_seed/philox_offset are undefined"):
+        cudnn_bwd(dout, q, k, v, out, lse, philox=None)
+    with pytest.raises(RuntimeError, match=r"max_q/max_k are the graph's s_q/s_kv"):
+        cudnn_bwd(dout, q, k, v, out, lse, max_q=8)
+
+
+@pytest.mark.parametrize("bad", ["3-D", "transposed", "bf16"])
+def test_cudnn_backward_rejects_an_lse_of_another_layout(cudnn_emu, bad):
+    q, k, v, dout = make()
+    out, lse = cudnn_fwd(q, k, v)[:2]
+    lse = {
+        "3-D": lse[..., 0],  # the flash kernels' [B, H, M]
+        "transposed": lse.transpose(1, 2).contiguous().transpose(1, 2),
+        "bf16": lse.to(BF16),
+    }[bad]
+    with pytest.raises(RuntimeError, match=r"the forward's layout is contiguous fp32"):
+        cudnn_bwd(dout, q, k, v, out, lse)
+
+
+@pytest.mark.parametrize(
+    ("arch", "d", "ok"),
+    [((9, 0), 256, True), ((9, 0), 264, False), ((10, 0), 136, False), ((8, 0), 128, True)],
+)
+def test_cudnn_head_dim_limits(cudnn_emu, monkeypatch, arch, d, ok):
+    monkeypatch.setattr(cudnn_emu, "ARCH", arch)
+    q, k, v, _ = make(S=4, H=1, G=1, d=d)
+    if ok:
+        cudnn_fwd(q, k, v)
+        return
+    with pytest.raises(RuntimeError, match="hidden_dim should be less than or equal to"):
+        cudnn_fwd(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("G=3", "must be a factor of number of heads for query"),
+        ("d=12", "hidden_dim should be multiple of 8"),
+        ("S=1", r"one query or key \(s_q == 1 or s_kv == 1\) has no cuDNN kernel"),
+        ("misaligned", "is not 16-byte aligned"),
+        ("strided d", "The stride for the last dimension"),
+    ],
+)
+def test_cudnn_contract(cudnn_emu, case, message):
+    if case == "G=3":  # 4 query heads over 3 kv heads
+        q, (k, v) = make(H=4, G=4)[0], make(H=3, G=3)[1:3]
+    elif case == "d=12":
+        q, k, v = make(d=12)[:3]
+    elif case == "S=1":
+        q, k, v = make(S=1)[:3]
+    elif case == "misaligned":
+        q, k, v = make(d=16)[:3]
+        q, k, v = (t[..., 1:9] for t in (q, k, v))  # 2 bytes off, strides of 16 elements
+    else:
+        q, k, v = make(d=16)[:3]
+        q, k, v = (t[..., ::2] for t in (q, k, v))
+    with pytest.raises(RuntimeError, match=message):
+        cudnn_fwd(q, k, v)
+
+
+# --- FA3 / FA4: the flash ops while torch's impl is active (flash_impl_emulation.py) -----
+
+
+@pytest.fixture
+def fa_emu():
+    import flash_impl_emulation
+
+    flash_impl_emulation.install()
+    with flash_impl_emulation.packages():
+        yield flash_impl_emulation
+    assert torch.nn.attention.current_flash_attention_impl() is None
+
+
+@pytest.mark.parametrize("impl", ["FA3", "FA4"])
+def test_activated_impl_reroutes_the_flash_ops(fa_emu, impl):
+    """torch's real activation, then the CPU kernels follow it: the same numbers, the
+    impl's own contract (FA3/FA4's SDPA backward passes cum_seq on as None, so a defined
+    empty one -- fatal to FA2, which then takes its varlen kernel -- is harmless)."""
+    q, k, v, dout = make(G=2)
+    ref_out, _, ref_dq, ref_dk, ref_dv = reference(q, k, v, dout, True)
+    torch.nn.attention.activate_flash_attention_impl(impl)
+    out, lse = flash_fwd(q, k, v)[:2]
+    assert out.stride() == q.transpose(1, 2).stride() and lse.shape == (2, 4, 16)
+    empty = torch.empty(0, dtype=torch.int32)
+    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, cum=empty)
+    for got, want in ((out, ref_out), (dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
+        assert rel_err(got.transpose(1, 2), want) < TOL[BF16]["bwd"]
+    assert fa_emu.CALLS[(impl, "forward")] >= 1 and fa_emu.CALLS[(impl, "backward")] >= 1
+    fa_emu.restore()
+    with pytest.raises(RuntimeError, match="batch size must be positive"):  # FA2 again
+        flash_bwd(dout, q, k, v, out, lse, cum=empty)
+
+
+@pytest.mark.parametrize(
+    ("impl", "case", "message"),
+    [
+        ("FA4", "d=264", "head_dim must be less than or equal to 256"),
+        ("FA3", "d=12", "head_dim must be divisible by 8"),
+        ("FA4", "fp32", "query dtype must be float16 or bfloat16"),
+        ("FA3", "lse bf16", "logsumexp dtype must be float32"),
+        ("FA4", "lse padded", r"reads lse as contiguous fp32 \[2, 4, 16\]"),
+    ],
+)
+def test_activated_impl_contract(fa_emu, impl, case, message):
+    d = {"d=264": 264, "d=12": 12}.get(case, 16)
+    q, k, v, dout = make(H=4, G=2, d=d, dtype=torch.float32 if case == "fp32" else BF16)
+    torch.nn.attention.activate_flash_attention_impl(impl)
+    with pytest.raises(RuntimeError, match=message):
+        out, lse = flash_fwd(q, k, v)[:2]
+        lse = lse.to(BF16) if case == "lse bf16" else torch.nn.functional.pad(lse, (0, 16))
+        flash_bwd(dout, q, k, v, out, lse)

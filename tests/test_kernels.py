@@ -83,3 +83,39 @@ def test_kernel_rejects_bad_input():
         attention_forward(q, k, v, backend="tpu")
     out, _ = attention_forward(q, k[:, :8], v[:, :8], causal=False)  # non-causal: any length
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("layout", ["flash-attn-4 alone", "a package without metadata"])
+def test_flash_attn_version_without_flash_attn_2(tmp_path, monkeypatch, layout):
+    """Installing flash-attn-4 alone leaves `flash_attn` a namespace package (flash_attn/cute,
+    no flash_attn/__init__.py, no 'flash_attn' distribution), on which
+    importlib.metadata.version("flash_attn") raises -- upipe failed on CUDA before its first
+    kernel call. It now means "flash-attn 2.x not installed", and FA4 is found on its own."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    from upipe import kernels_select
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    if layout == "a package without metadata":
+        (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "flash_attn"]:
+        monkeypatch.delitem(sys.modules, name)
+    kernels_select.forget()
+    try:
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.version("flash_attn")  # what used to escape
+        spec = importlib.util.find_spec("flash_attn")
+        assert (spec.origin is None) == (layout == "flash-attn-4 alone")
+        assert kernels_select.flash_attn_version() is None
+        assert kernels_select._module_found("flash_attn.cute")  # FA4's package, on its own
+        cuda = torch.device("cuda")
+        monkeypatch.setattr(kernels_select, "device_capability", lambda d: (8, 0))
+        assert default_backend(cuda, torch.bfloat16) == "flash"  # no flash_attn 2.x
+        problem = kernels_select.kernel_problem("flash_attn", cuda, torch.bfloat16, 64)
+        assert "flash-attn package >= 2.7 (not installed)" in problem
+    finally:
+        kernels_select.forget()

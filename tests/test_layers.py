@@ -18,7 +18,8 @@ LAYERS = {
     # loops that repeat their memory, the spawned-ranks launcher, memory measurement (tracker,
     # closed forms, fake process group), line plots
     "base": (
-        "upipe.torch_private", "upipe.kernels", "upipe.comm", "upipe.packing", "upipe.mesh",
+        "upipe.torch_private", "upipe.kernels", "upipe.kernels_cuda", "upipe.kernels_select",
+        "upipe.comm", "upipe.packing", "upipe.mesh",
         "upipe.rope", "upipe.gemm", "upipe.comm_uneven",
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",
     ),

@@ -17,8 +17,9 @@ flash_api.cpp`` ``mha_varlen_fwd`` / ``mha_varlen_bwd``):
 - Forward returns (out like q, lse fp32 contiguous ``[H, T_q]``, rng_state uint64 [2],
   unused uint64 [], debug mask [0]); backward reads lse as contiguous fp32 ``[H, T_q]``
   (unchecked on CUDA) and returns dq like q, dk/dv like k/v with G heads (summed).
-The dense form (cum_seq_q None) is not emulated here: upipe calls the dense kernels
-through ``_scaled_dot_product_flash_attention`` (cuda_emulation.py).
+While an FA3 / FA4 impl is active the ops run that impl's contract instead
+(flash_impl_emulation.py). The dense form (cum_seq_q None) is not emulated here: upipe
+calls the dense kernels through ``_scaled_dot_product_flash_attention`` (cuda_emulation.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from __future__ import annotations
 import collections
 
 import torch
-from cuda_emulation import _HALF, _backward_math, _check, _forward_math, _no_dropout, _scale
+from cuda_emulation import (
+    _HALF,
+    _backward_math,
+    _check,
+    _forward_math,
+    _no_dropout,
+    _rerouted,
+    _scale,
+)
 
 _LIB: torch.library.Library | None = None
 CALLS = collections.Counter()  # kernel calls in this process, by op ("forward", "backward")
@@ -85,6 +94,23 @@ def _forward(
     block_table=None,
     num_splits=None,
 ):
+    if rerouted := _rerouted("varlen_forward"):  # an active FA3/FA4 impl serves the op
+        return rerouted(
+            query,
+            key,
+            value,
+            cum_seq_q,
+            cum_seq_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            return_debug_mask,
+            scale=scale,
+            seqused_k=seqused_k,
+            alibi_slopes=alibi_slopes,
+            block_table=block_table,
+        )
     spans = _check_common(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
     CALLS["forward"] += 1
     _check(
@@ -125,6 +151,24 @@ def _backward(
     window_size_left=None,
     window_size_right=None,
 ):
+    if rerouted := _rerouted("varlen_backward"):
+        return rerouted(
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            cum_seq_q,
+            cum_seq_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            rng_state,
+            unused,
+            scale=scale,
+        )
     spans = _check_common(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
     CALLS["backward"] += 1
     T, H, d = query.shape

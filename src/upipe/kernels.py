@@ -2,8 +2,8 @@
 
 Every strategy calls these two functions on the tensors it holds after communication:
 
-    attention_forward(q, k, v, *, causal, softmax_scale) -> (out, lse)
-    attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale) -> (dq, dk, dv)
+    attention_forward(q, k, v, *, causal, softmax_scale, backend) -> (out, lse)
+    attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, backend) -> (dq, dk, dv)
 
 Legend: B batch, S sequence (queries and keys have the same length), H query heads,
 G kv heads (G divides H; query head h uses kv head h // (H / G)), d head dim.
@@ -16,16 +16,33 @@ The backward reuses the saved `out` and `lse` (no forward recompute):
     delta = rowsum(dO * O),  dS = P * (dP - delta),  dQ = scale * dS K,  dK = scale * dS^T Q
 with dK/dV of a kv head summed over the H / G query heads that share it.
 
-Backends (chosen by argument; `None` picks by device and dtype, `resolve_backend`):
+Backends (chosen by argument, never at import; `resolve_backend`). On CUDA each runs one of
+torch's ops or a package, as its contract in torch's sources requires (`upipe.kernels_cuda`
+cites them; the tests run every CUDA path on CPU against emulations of those contracts):
+- "auto" / None: the kernel for the device, dtype and head dim (`upipe.kernels_select`: the
+                rule, its reasons and sources, logged once).
 - "cpu":        aten `_scaled_dot_product_flash_attention_for_cpu` (+ backward); GQA native.
-- "cuda":       aten `_scaled_dot_product_flash_attention` (fp16/bf16; GQA native) or
-                `_scaled_dot_product_efficient_attention` (fp32; K/V expanded for GQA, as
-                that kernel needs equal head counts).
-- "flash_attn": the `flash_attn` package (>= 2.7) when installed; fp16/bf16; GQA native.
+- "flash":      aten `_scaled_dot_product_flash_attention` (+ backward): torch's
+                FlashAttention-2; fp16/bf16, GQA native.
+- "efficient":  aten `_scaled_dot_product_efficient_attention` (+ backward): fp32 (and
+                fp16/bf16); K/V expanded for GQA (the kernel needs equal head counts).
+- "cudnn":      aten `_scaled_dot_product_cudnn_attention` (+ backward), compute_log_sumexp:
+                cuDNN's attention inside every CUDA build of torch; fp16/bf16, GQA native,
+                its lse `[B, H, S, 1]` viewed as `[B, H, S]`.
+- "fa3", "fa4": the "flash" ops with torch's FA3 / FA4 impl activated
+                (`torch.nn.attention.activate_flash_attention_impl`), which reroutes them to
+                FlashAttention-3 (`flash_attn_interface`, sm90) or FlashAttention-4
+                (`flash_attn.cute`, pip package flash-attn-4; sm90/sm100). Process-wide:
+                see `upipe.kernels_select`.
+- "flash_attn": the flash-attn package (>= 2.7); fp16/bf16; GQA native.
+- "cuda":       today's CUDA default, kept for compatibility: "flash" for fp16/bf16,
+                "efficient" otherwise.
 - "reference":  float64 math on the full S x S score matrix; for tests and tiny shapes only.
-The CUDA calls follow the ops' contracts in torch 2.13's sources (attention.cu,
-attention_backward.cu, flash_api.cpp); `tests/cuda_emulation.py` implements those
-contracts on CPU so that the "cuda" path runs in the test suite.
+A kernel whose package is missing, or that cannot take the dtype or head dim, is refused
+with a ValueError naming the package or the limit and the fix (`check_kernel`, which the
+strategies call on every rank before any collective). Packed documents (`upipe.attention.
+documents`) use each backend's varlen call where it has one: flash, fa3 and fa4 (the varlen
+aten op, rerouted alike); the others make one call per document.
 
 Causal masking is aligned at the diagonal and needs equal query and key lengths (every row
 then sees at least one key, so no fully masked row -- whose lse would be 0, not -inf --
@@ -34,57 +51,77 @@ can occur). Strategies that need off-diagonal blocks call the kernel non-causall
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
-import re
 
 import torch
 
-BACKENDS = ("cpu", "cuda", "flash_attn", "reference")
-HALF = (torch.float16, torch.bfloat16)
-FLASH_ATTN_MIN_VERSION = (2, 7)  # the `_flash_attn_backward` keyword arguments used below
+from upipe import kernels_cuda, kernels_select
+from upipe.kernels_cuda import expand_kv, sum_kv
+from upipe.kernels_select import CUDA_KERNELS, HALF, KERNELS, auto_kernel, kernel_problem
+
+__all__ = [
+    "BACKENDS",
+    "HALF",
+    "KERNELS",
+    "acc_dtype",
+    "attention_backward",
+    "attention_forward",
+    "check_kernel",
+    "default_backend",
+    "prepare_kernel",
+    "resolve_backend",
+    "uses_cuda_kernels",
+]
+BACKENDS = ("auto", "cpu", "cuda", *CUDA_KERNELS, "reference")
 
 
-@functools.cache
-def flash_attn_version() -> tuple[int, ...] | None:
-    """The installed flash-attn package's (major, minor), or None when it is not installed."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return None
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in re.findall(r"\d+", version("flash_attn"))[:2])
+def resolve_backend(backend, device, dtype, *, head_dim=None, documents=False) -> str:
+    """The kernel `backend` names for inputs of `dtype` on `device`: auto's choice for None
+    or "auto" (`head_dim`: the inputs' head dim, for auto's limits; `documents`: for packed
+    documents, where auto prefers a varlen kernel), "cuda" spelled out, else `backend`."""
+    if backend is None or backend == "auto":
+        return auto_kernel(device, dtype, head_dim, documents=documents)
+    if backend == "cuda":
+        return "flash" if dtype in HALF else "efficient"
+    return backend
 
 
 def default_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """The backend used for `device` (and `dtype`) when none is given: on CUDA the flash-attn
-    package for fp16/bf16 when a supported version is installed, else torch's kernels."""
-    if device.type == "cuda":
-        fa = flash_attn_version()
-        if dtype in HALF and fa is not None and fa >= FLASH_ATTN_MIN_VERSION:
-            return "flash_attn"
-        return "cuda"
-    if device.type == "cpu":
-        return "cpu"
-    raise ValueError(
-        f"no attention kernel for device type {device.type!r}; use a cpu or cuda tensor, "
-        "or backend='reference'"
-    )
-
-
-def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """`backend`, or the default for the device and dtype when None."""
-    return backend or default_backend(device, dtype)
+    """The kernel used for `device` (and `dtype`) when none is given (auto's choice)."""
+    return resolve_backend(None, device, dtype or torch.float32)
 
 
 def uses_cuda_kernels(backend: str) -> bool:
     """Whether a resolved backend runs CUDA's kernels (and so CUDA's GEMMs, `upipe.gemm`)."""
-    return backend in ("cuda", "flash_attn")
+    return backend not in ("cpu", "reference")
 
 
-def _check(q, k, v, causal, backend):
-    if backend not in BACKENDS:
+def check_kernel(backend, device, dtype, head_dim, *, documents=False) -> str:
+    """The kernel `backend` resolves to for attention of `dtype` and `head_dim` on `device`,
+    or a ValueError naming why it cannot run there and the fix (`kernels_select`). Cheap: the
+    strategies call it on every rank before any collective."""
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    kernel = resolve_backend(backend, device, dtype, head_dim=head_dim, documents=documents)
+    problem = kernel_problem(kernel, device, dtype, head_dim) if kernel in CUDA_KERNELS else None
+    if problem:
+        raise ValueError(problem)
+    if kernel == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend='cpu' runs CPU tensors, got {device}; use backend='auto'")
+    return kernel
+
+
+def prepare_kernel(backend, device, dtype, head_dim, *, documents=False) -> str:
+    """`check_kernel`, and for fa3/fa4 the process-wide activation of torch's impl (once;
+    `kernels_select.activate`). What every kernel call runs first; callers that want the
+    activation (and auto's log line) at a known point call it ahead of time."""
+    kernel = check_kernel(backend, device, dtype, head_dim, documents=documents)
+    if kernel in kernels_select.IMPL:
+        kernels_select.activate(kernel)
+    return kernel
+
+
+def _check(q, k, v, causal):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, S, heads, d], got shape {tuple(t.shape)}")
@@ -100,22 +137,6 @@ def _check(q, k, v, causal, backend):
             f"causal attention needs equal query ({S}) and key ({k.shape[1]}) lengths; "
             "split off-diagonal blocks and call them with causal=False"
         )
-    if backend == "flash_attn":
-        fa = flash_attn_version()
-        if fa is None or fa < FLASH_ATTN_MIN_VERSION:
-            found = "not installed" if fa is None else "version " + ".".join(map(str, fa))
-            raise ValueError(
-                f"backend='flash_attn' needs the flash-attn package >= "
-                f"{'.'.join(map(str, FLASH_ATTN_MIN_VERSION))} ({found}); install it "
-                "(pip install flash-attn) or use backend='cuda'"
-            )
-    if backend in ("flash_attn", "cuda") and q.dtype in HALF and d > 256:
-        raise ValueError(f"the flash kernels support head dims up to 256, got {d}")
-    if backend == "flash_attn" and q.dtype not in HALF:
-        raise ValueError(
-            f"backend='flash_attn' takes fp16/bf16 inputs, got {q.dtype}; use backend='cuda' "
-            "(torch's memory-efficient kernel) for fp32"
-        )
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,44 +148,30 @@ def _scale(softmax_scale, d):
     return 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
 
 
-def _expand_kv(t_BSGd, H):
-    """Repeat each kv head for its H / G query heads: [B, S, G, d] -> [B, S, H, d]."""
-    g = H // t_BSGd.shape[2]
-    return t_BSGd if g == 1 else t_BSGd.repeat_interleave(g, dim=2)
-
-
-def _sum_kv(t_BSHd, G):
-    """Inverse of `_expand_kv` for gradients: sum each kv head's H / G copies."""
-    B, S, H, d = t_BSHd.shape
-    return t_BSHd if H == G else t_BSHd.view(B, S, G, H // G, d).sum(3)
-
-
 def attention_forward(q, k, v, *, causal=True, softmax_scale=None, backend=None):
     """Attention of q `[B, S, H, d]` over k/v `[B, Sk, G, d]`.
 
     Returns (out `[B, S, H, d]` in q's dtype, lse fp32 `[B, H, S]`).
     """
-    backend = resolve_backend(backend, q.device, q.dtype)
-    _check(q, k, v, causal, backend)
+    _check(q, k, v, causal)
+    kernel = prepare_kernel(backend, q.device, q.dtype, q.shape[-1])
     scale = _scale(softmax_scale, q.shape[-1])
-    if backend == "cpu":
+    if kernel == "cpu":
         out_BHSd, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
         )
         return out_BHSd.transpose(1, 2), lse_BHS
-    if backend == "flash_attn":
-        return _flash_attn_forward(q, k, v, causal, scale)
-    if backend == "cuda":
-        return _cuda_forward(q, k, v, causal, scale)
-    return _reference_forward(q, k, v, causal, scale)
+    if kernel == "reference":
+        return _reference_forward(q, k, v, causal, scale)
+    return kernels_cuda.FORWARD[kernel](q, k, v, causal, scale)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, softmax_scale=None, backend=None):
     """Gradients (dq, dk, dv) of `attention_forward`, from its saved `out` and `lse`."""
-    backend = resolve_backend(backend, q.device, q.dtype)
-    _check(q, k, v, causal, backend)
+    _check(q, k, v, causal)
+    kernel = prepare_kernel(backend, q.device, q.dtype, q.shape[-1])
     scale = _scale(softmax_scale, q.shape[-1])
-    if backend == "cpu":
+    if kernel == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2),
             q.transpose(1, 2),
@@ -177,11 +184,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, softmax_scale=No
             scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    if backend == "flash_attn":
-        return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
-    if backend == "cuda":
-        return _cuda_backward(dout, q, k, v, out, lse, causal, scale)
-    return _reference_backward(dout, q, k, v, out, lse, causal, scale)
+    if kernel == "reference":
+        return _reference_backward(dout, q, k, v, out, lse, causal, scale)
+    return kernels_cuda.BACKWARD[kernel](dout, q, k, v, out, lse, causal, scale)
 
 
 # --- float64 reference ------------------------------------------------------------------
@@ -190,7 +195,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, softmax_scale=No
 def _reference_scores(q, k, causal, scale):
     """Scaled scores [B, H, S, Sk] in fp64 with -inf above the diagonal when causal."""
     H = q.shape[2]
-    s_BHSS = torch.einsum("bshd,bthd->bhst", q.double(), _expand_kv(k, H).double()) * scale
+    s_BHSS = torch.einsum("bshd,bthd->bhst", q.double(), expand_kv(k, H).double()) * scale
     if causal:
         S = q.shape[1]
         mask = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
@@ -202,7 +207,7 @@ def _reference_forward(q, k, v, causal, scale):
     s_BHSS = _reference_scores(q, k, causal, scale)
     lse_BHS = torch.logsumexp(s_BHSS, dim=-1)
     p_BHSS = torch.exp(s_BHSS - lse_BHS[..., None])
-    out = torch.einsum("bhst,bthd->bshd", p_BHSS, _expand_kv(v, q.shape[2]).double())
+    out = torch.einsum("bhst,bthd->bshd", p_BHSS, expand_kv(v, q.shape[2]).double())
     return out.to(q.dtype), lse_BHS.to(acc_dtype(q.dtype))
 
 
@@ -210,150 +215,11 @@ def _reference_backward(dout, q, k, v, out, lse, causal, scale):
     H, G = q.shape[2], k.shape[2]
     s_BHSS = _reference_scores(q, k, causal, scale)
     p_BHSS = torch.exp(s_BHSS - lse.double()[..., None])
-    do, vv, kk = dout.double(), _expand_kv(v, H).double(), _expand_kv(k, H).double()
+    do, vv, kk = dout.double(), expand_kv(v, H).double(), expand_kv(k, H).double()
     dv = torch.einsum("bhst,bshd->bthd", p_BHSS, do)
     dp_BHSS = torch.einsum("bshd,bthd->bhst", do, vv)
     delta_BHS = (do * out.double()).sum(-1).transpose(1, 2)
     ds_BHSS = p_BHSS * (dp_BHSS - delta_BHS[..., None])
     dq = torch.einsum("bhst,bthd->bshd", ds_BHSS, kk) * scale
     dk = torch.einsum("bhst,bshd->bthd", ds_BHSS, q.double()) * scale
-    return dq.to(q.dtype), _sum_kv(dk, G).to(k.dtype), _sum_kv(dv, G).to(v.dtype)
-
-
-# --- CUDA ---------------------------------------------------------------------------------
-# The flash kernels (torch's aten ops and flash-attn's backward) need a head dim that is a
-# multiple of 8 (flash_api.cpp `mha_fwd`/`mha_bwd`: "head_size should be a multiple of 8";
-# only F.scaled_dot_product_attention pads, the aten ops do not), and the memory-efficient
-# kernel's sm80+ instances need rows aligned to 8 (half) / 4 (fp32) elements (cutlassF.h:
-# "no kernel found to launch"). All take [*, S, *, d] with stride(-1) == 1. Padding q, k,
-# v (and out, dout) with zero columns to a multiple of 8 changes nothing else: q.k and the
-# lse are unchanged (the scale is always passed explicitly), out's padded columns are 0,
-# and the gradients' padded columns are dropped.
-
-
-def _pad8(*ts):
-    pad = (-ts[0].shape[-1]) % 8
-    return ts if pad == 0 else tuple(torch.nn.functional.pad(t, (0, pad)) for t in ts)
-
-
-def _unpad(d, *ts):
-    return tuple(t[..., :d] if t.shape[-1] != d else t for t in ts)
-
-
-def _cuda_forward(q, k, v, causal, scale):
-    d = q.shape[-1]
-    if q.dtype in HALF:  # flash: k/v may have fewer heads (mha_fwd), no expansion
-        qp, kp, vp = _pad8(q, k, v)
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            qp.transpose(1, 2),
-            kp.transpose(1, 2),
-            vp.transpose(1, 2),
-            0.0,
-            causal,
-            False,
-            scale=scale,
-        )
-        (out,) = _unpad(d, res[0].transpose(1, 2))
-        return out, res[1]
-    # memory-efficient kernel: equal head counts; its lse is padded to a multiple of 32
-    H = q.shape[2]
-    qp, kp, vp = _pad8(q, _expand_kv(k, H), _expand_kv(v, H))
-    res = torch.ops.aten._scaled_dot_product_efficient_attention(
-        qp.transpose(1, 2),
-        kp.transpose(1, 2),
-        vp.transpose(1, 2),
-        None,
-        True,
-        0.0,
-        causal,
-        scale=scale,
-    )
-    (out,) = _unpad(d, res[0].transpose(1, 2))
-    return out, res[1][:, :, : q.shape[1]]
-
-
-def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
-    S, Sk, d = q.shape[1], k.shape[1], q.shape[-1]
-    if q.dtype in HALF:
-        dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
-        # cum_seq_q/k None: an undefined tensor selects the dense kernel; a defined one, even
-        # empty, selects varlen (attention_backward.cu `_flash_attention_backward`). The rng
-        # state is read only with dropout > 0.
-        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            *(t.transpose(1, 2) for t in (dop, qp, kp, vp, op)),
-            lse,
-            None,
-            None,
-            S,
-            Sk,
-            0.0,
-            causal,
-            no_rng,
-            no_rng,
-            scale=scale,
-        )
-        return _unpad(d, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
-    H, G = q.shape[2], k.shape[2]
-    dop, qp, kp, vp, op = _pad8(dout, q, _expand_kv(k, H), _expand_kv(v, H), out)
-    pad = (-S) % 32  # the efficient kernel reads its lse padded to a multiple of 32 queries
-    lse_pad = torch.nn.functional.pad(lse, (0, pad)) if pad else lse  # (finite padding)
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dop.transpose(1, 2),
-        qp.transpose(1, 2),
-        kp.transpose(1, 2),
-        vp.transpose(1, 2),
-        None,
-        op.transpose(1, 2),
-        lse_pad,
-        seed,
-        seed,
-        0.0,
-        [True, True, True, False],
-        causal,
-        scale=scale,
-    )
-    dq, dk, dv = _unpad(d, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
-    return dq, _sum_kv(dk, G), _sum_kv(dv, G)
-
-
-def _flash_attn_forward(q, k, v, causal, scale):
-    import flash_attn
-
-    d = q.shape[-1]
-    qp, kp, vp = _pad8(q, k, v)
-    out, lse, _ = flash_attn.flash_attn_func(
-        qp, kp, vp, softmax_scale=scale, causal=causal, return_attn_probs=True
-    )
-    (out,) = _unpad(d, out)
-    return out, lse
-
-
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
-    from flash_attn.flash_attn_interface import _flash_attn_backward as fa_backward
-
-    d = q.shape[-1]
-    dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
-    dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-    fa_backward(
-        dop,
-        qp,
-        kp,
-        vp,
-        op,
-        lse,
-        dq,
-        dk,
-        dv,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
-        alibi_slopes=None,
-        deterministic=False,
-        rng_state=None,
-    )
-    return _unpad(d, dq, dk, dv)
+    return dq.to(q.dtype), sum_kv(dk, G).to(k.dtype), sum_kv(dv, G).to(v.dtype)

@@ -8,6 +8,8 @@ so a torch release that changes one fails there, loudly, before any user sees it
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -20,6 +22,8 @@ __all__ = [
     "FSDPParam",
     "ShardedState",
     "TorchDispatchMode",
+    "cudnn_lse_dims",
+    "cudnn_sdpa_ops",
     "current_graph_task_id",
     "flatten_mesh",
     "is_traceable_wrapper_subclass",
@@ -68,3 +72,51 @@ def current_graph_task_id() -> int:
     """The running autograd graph task (-1 outside backward): the planner uses it to tell a
     backward's allocations from the forward's; no public equivalent."""
     return torch._C._current_graph_task_id()
+
+
+# aten's cuDNN attention ops as `upipe.kernels_cuda` calls them, by position: torch 2.13's
+# schemas (native_functions.yaml); other versions are checked against them at first use
+_CUDNN_SDPA_ARGS = {
+    "_scaled_dot_product_cudnn_attention": (
+        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+        "return_debug_mask", "scale",
+    ),
+    "_scaled_dot_product_cudnn_attention_backward": (
+        "grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
+        "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale",
+    ),
+}  # fmt: skip
+
+
+@functools.cache
+def cudnn_sdpa_ops():
+    """(forward, backward): aten's `_scaled_dot_product_cudnn_attention` and its backward,
+    the only way to reach cuDNN's attention with its log-sum-exp (F.scaled_dot_product_attention
+    returns no lse), after checking that this torch's schemas take the arguments upipe
+    passes by position -- a torch that reorders them fails here, naming the op, instead of
+    misreading an argument."""
+    ops = []
+    for name, want in _CUDNN_SDPA_ARGS.items():
+        op = getattr(torch.ops.aten, name).default
+        got = tuple(a.name for a in op._schema.arguments)
+        if got != want:
+            raise RuntimeError(
+                f"torch {torch.__version__}'s aten::{name} takes {got}, not the {want} upipe "
+                "passes (torch 2.13's): upipe.kernels_cuda needs updating for this torch"
+            )
+        ops.append(op)
+    return tuple(ops)
+
+
+@functools.cache
+def cudnn_lse_dims() -> int:
+    """How many dims the lse of aten's cuDNN forward has: 4 (`[B, H, S, 1]`, torch 2.13's
+    cudnn/MHA.cpp `run_cudnn_SDP_fprop`), or 3 (`[B, H, S]`, as older MHA.cpp sources
+    allocated it). Read from this torch's meta kernel of the op, which mirrors the CUDA op's
+    outputs (torch.compile relies on it), so no GPU is needed to know it."""
+    forward, _ = cudnn_sdpa_ops()
+    q = torch.empty(1, 1, 2, 8, device="meta", dtype=torch.bfloat16)
+    try:
+        return forward(q, q, q, None, True)[1].dim()
+    except NotImplementedError:  # no meta kernel: the layout of torch 2.13's CUDA op
+        return 4

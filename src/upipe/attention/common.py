@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from upipe.comm import check_layout_name
-from upipe.kernels import BACKENDS
+from upipe.kernels import check_kernel
 from upipe.mesh import check_mesh, validation_group
 from upipe.packing import check_cu_seqlens
 from upipe.torch_private import saved_tensor_hooks_active
@@ -121,8 +121,7 @@ def check_qkv_local(
         )
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be positive or None, got {softmax_scale}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    check_kernel(backend, q.device, q.dtype, d)  # the kernel runs here (name, package, limits)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
@@ -308,6 +307,7 @@ def validate_qkv(
             "device type": q.device.type,
             "causal": causal,
             "softmax_scale": softmax_scale,
+            "backend": backend,
             **(extra_signature or {}),
         }
 

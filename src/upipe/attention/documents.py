@@ -22,11 +22,15 @@ keeps out = 0, lse = -inf in the block, which the ring's lse merge treats as no
 contribution; the local block covers every row (each token sees itself), so the final lse
 is finite.
 
-Kernel calls are the existing `upipe.kernels` ones on sub-ranges (any backend; on CUDA the
-dense flash/efficient kernels per document). Their number is the number of (document,
-segment pair) intersections: about (documents + segments) per block. The whole-sequence
-case on CUDA in fp16/bf16 (backend "cuda") instead makes one varlen kernel call for all
-documents and batch rows (varlen.py).
+Kernel calls are the existing `upipe.kernels` ones on sub-ranges (any backend). Their
+number is the number of (document, segment pair) intersections: about (documents +
+segments) per block. The whole-sequence case (`local_forward`) with a kernel that has a
+varlen call -- flash, fa3 and fa4, fp16/bf16 -- instead makes one varlen kernel call for all
+documents and batch rows (varlen.py); cudnn, efficient, flash_attn and cpu make one dense
+call per document. `auto` resolves with `documents=True` here and in ring.py: it takes the
+varlen flash kernel where it would take cudnn for a dense call, as cuDNN compiles an
+execution graph per distinct shape (`upipe.kernels_select`); an explicit backend="cudnn"
+runs per document.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import itertools
 import torch
 
 from upipe.attention import varlen
-from upipe.kernels import acc_dtype, attention_backward, attention_forward
+from upipe.kernels import acc_dtype, attention_backward, attention_forward, prepare_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +83,27 @@ def block_calls(bounds, q_segs, k_segs, causal: bool) -> list[tuple[slice, slice
     return calls
 
 
+def _kernel(q, backend) -> str:
+    """The kernel of a document-masked call: resolved for documents (module doc), checked,
+    and for fa3/fa4 activated (the varlen call goes to the aten op directly)."""
+    return prepare_kernel(backend, q.device, q.dtype, q.shape[-1], documents=True)
+
+
+def block_backend(q, backend, docs):
+    """The backend of a ring's per-block calls: `backend`, or with documents (`docs` not
+    None) the kernel resolved for documents (module doc)."""
+    return backend if docs is None else _kernel(q, backend)
+
+
 def local_forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale, backend):
     """(out_BPud, lse_BuP) of attention over P tokens in sequence order, document-masked:
-    one kernel call per document (each row lies in exactly one, so no merge), or on CUDA in
-    fp16/bf16 one varlen call for all of them (varlen.py)."""
+    one kernel call per document (each row lies in exactly one, so no merge), or one varlen
+    call for all of them where the kernel has one (module doc, varlen.py)."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if len(bounds) == 2:  # one document: plain attention, no copies
         return attention_forward(q_BPud, k_BPkd, v_BPkd, **kw)
-    if varlen.use_varlen(q_BPud, backend):
+    kw["backend"] = kernel = _kernel(q_BPud, backend)
+    if varlen.use_varlen(kernel):
         return varlen.forward(
             q_BPud, k_BPkd, v_BPkd, bounds, causal=causal, softmax_scale=softmax_scale
         )
@@ -107,7 +124,8 @@ def local_backward(dout, q, k, v, out, lse, bounds, *, causal, softmax_scale, ba
     kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if len(bounds) == 2:
         return attention_backward(dout, q, k, v, out, lse, **kw)
-    if varlen.use_varlen(q, backend):
+    kw["backend"] = kernel = _kernel(q, backend)
+    if varlen.use_varlen(kernel):
         kw.pop("backend")
         return varlen.backward(dout, q, k, v, out, lse, bounds, **kw)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -305,7 +305,7 @@ def fused_upipe_attention(
     document-masked, forward and recomputed backward alike; None: one document.
     Inputs are not validated here: `ContextParallelAttention` does that.
     """
-    kernel = resolve_backend(backend, x.device, x.dtype)
+    kernel = resolve_backend(backend, x.device, x.dtype, head_dim=head_dim)
     plan = FusedPlan(
         rounds=tuple(rounds),
         head_dim=head_dim,

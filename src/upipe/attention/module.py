@@ -37,6 +37,7 @@ from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strateg
 from upipe.attention.schedule import check_heads_per_stage, plan_schedule
 from upipe.attention.usp import usp_attention
 from upipe.comm import check_layout_name
+from upipe.kernels import BACKENDS, check_kernel
 from upipe.rope import apply_rope, rope_cos_sin
 
 
@@ -135,6 +136,8 @@ class ContextParallelAttention(nn.Module):
             head_dim,
         )
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.causal, self.backend = causal, backend
         kw = dict(bias=False, device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
@@ -189,9 +192,11 @@ class ContextParallelAttention(nn.Module):
             else:
                 check_ring_layout(self.layout, C * x.shape[1], R, C)
             docs.check(R * C * x.shape[1])
+            check_kernel(self.backend, x.device, x.dtype, self.head_dim)
 
         def signature():
-            return {"x shape": tuple(x.shape), "dtype": str(x.dtype), **docs.signature()}
+            sig = {"x shape": tuple(x.shape), "dtype": str(x.dtype), "backend": self.backend}
+            return {**sig, **docs.signature()}
 
         group, cohort = self.agree or (self.group, None)
         device = x.device if isinstance(x, torch.Tensor) else None

@@ -50,7 +50,7 @@ from upipe.attention.common import (
     saved_for_backward,
     validate_qkv,
 )
-from upipe.attention.documents import block_calls, layout_segments
+from upipe.attention.documents import block_backend, block_calls, layout_segments
 from upipe.comm import ring_send_recv
 from upipe.kernels import acc_dtype, attention_backward, attention_forward
 
@@ -103,7 +103,7 @@ def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
 
 def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs=None):
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
-    acc = acc_dtype(q_BLHd.dtype)
+    acc, backend = acc_dtype(q_BLHd.dtype), block_backend(q_BLHd, backend, docs)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     out_BLHd = lse_BHL = None
     if docs is not None:  # rows no call covers yet: out 0, lse -inf (no contribution)
@@ -135,7 +135,7 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs
 def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=None):
     group, causal, scale, backend, layout = args
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
-    acc = acc_dtype(q_BLHd.dtype)
+    acc, backend = acc_dtype(q_BLHd.dtype), block_backend(q_BLHd, backend, docs)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     dq_BLHd = torch.zeros(q_BLHd.shape, dtype=acc, device=q_BLHd.device)
     dkv_2BLGd = dkv_pending = None

@@ -33,7 +33,7 @@ class StageAttention:
     scale: float | None
     """softmax scale; None for 1 / sqrt(d)"""
     backend: str | None
-    """local kernel (`upipe.kernels.BACKENDS`); None follows the device"""
+    """local kernel (`upipe.kernels.BACKENDS`); None (auto) follows the device and dtype"""
     ring_group: dist.ProcessGroup | None = None
     """the ring (None: local attention over the P tokens)"""
     layout: str = "zigzag"

@@ -3,9 +3,10 @@
 Legend: B batch, P tokens (the whole sequence, in order), u query heads, k kv heads, d head
 dim, T = B * P packed tokens, n documents per row.
 
-`documents.local_forward` / `local_backward` call these on CUDA for fp16/bf16 (backend
-"cuda") instead of one dense kernel per document: the B rows of n documents are packed as
-T tokens, `[B, P, u, d] -> [T, u, d]` (a view), with cumulative boundaries
+`documents.local_forward` / `local_backward` call these for the kernels with a varlen call
+(`VARLEN`: flash, fa3, fa4; fp16/bf16) instead of one dense kernel per document: the B rows
+of n documents are packed as T tokens, `[B, P, u, d] -> [T, u, d]` (a view), with
+cumulative boundaries
     cu[b * n + j] = b * P + e_j,   cu[B * n] = T        (int32, on the GPU)
 and one call of torch's varlen flash kernel runs them all.
 
@@ -25,6 +26,17 @@ side is `aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp` `mha_v
   dropout; torch passes uint64 zeros [2] and an empty tensor.
 `tests/varlen_emulation.py` implements that contract on CPU for the tests.
 
+Under fa3 / fa4 the same two ops run FlashAttention-3 / -4: torch's impls register them
+too (torch/nn/attention/_fa3.py and _fa4.py `_fa*_register_kernels`: "ragged query must be
+3D", cu_seq_q/k passed on as cu_seqlens_q/k, max_q/max_k as max_seqlen_q/k), with the same
+lse layout `[u, T]` (FA3's varlen softmax_lse; FA4's `lse_shape = (num_head, total_q)` in
+flash_attn/cute/interface.py `_flash_attn_fwd`) and int32 boundaries. Every torch version
+read (2.13's registry, and the earlier FA4 prototype) reroutes the varlen ops, so no
+package-level varlen call is needed; `tests/flash_impl_emulation.py` holds both impls'
+contracts on CPU. cuDNN's varlen form (`_cudnn_attention_forward` with cum_seq) is not
+used: torch's own `varlen_attn` keeps it off (`_should_use_cudnn` returns False; "GQA is
+not supported with the cuDNN backend").
+
 Host syncs: none. The boundaries are host ints already (validated once per call); the
 cumulative tensor is copied to the GPU from pinned memory without blocking, and max_q is
 computed on the host.
@@ -36,12 +48,16 @@ import itertools
 
 import torch
 
-from upipe.kernels import HALF, _pad8, _scale, _unpad, resolve_backend
+from upipe.kernels import _scale
+from upipe.kernels_cuda import pad8 as _pad8
+from upipe.kernels_cuda import unpad as _unpad
+
+VARLEN = ("flash", "fa3", "fa4")  # resolved kernels (fp16/bf16 only) with a varlen call
 
 
-def use_varlen(q, backend) -> bool:
-    """Whether the varlen kernel serves this stage: torch's CUDA kernels on fp16/bf16."""
-    return resolve_backend(backend, q.device, q.dtype) == "cuda" and q.dtype in HALF
+def use_varlen(kernel: str) -> bool:
+    """Whether a resolved kernel (`upipe.kernels.prepare_kernel`) has the varlen call."""
+    return kernel in VARLEN
 
 
 def _cum_seq(bounds, B, P, device):

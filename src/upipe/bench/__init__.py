@@ -24,6 +24,7 @@ from upipe.bench.layer import UpipeLayer
 from upipe.bench.model import MODEL_METHODS
 from upipe.bench.peers import DEFAULT_METHODS, PEERS, Method, UpipeMethod, make_method
 from upipe.bench.run import TOLERANCE
+from upipe.kernels import KERNELS
 
 __all__ = ["BenchConfig", "DemoConfig", "PEERS", "run_bench"]
 
@@ -60,6 +61,9 @@ class BenchConfig:
     """Seed of the random inputs."""
     device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
     """cpu: spawn nproc gloo ranks here. cuda: run under torchrun (NCCL), one GPU a rank."""
+    attention_kernel: str = dataclasses.field(default="auto", metadata={"choices": KERNELS})
+    """upipe's local attention kernel on CUDA (`upipe.kernels`; auto: by GPU and dtype); the
+    peers keep their own."""
     json: str = "upipe-bench.json"
     """Write the JSON document here ('' to skip)."""
     plot: str = "upipe-bench.png"
@@ -104,6 +108,8 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
     if cfg.repeats < 1 or cfg.warmup < 0:
         return f"--repeats must be >= 1 and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
+    if cfg.attention_kernel != "auto" and cfg.device != "cuda":
+        return f"--attention-kernel {cfg.attention_kernel} runs on CUDA (--device cuda)"
     if cfg.model:
         return _model_problem(cfg)
     for spec in cfg.methods:
@@ -132,10 +138,11 @@ def model_config(cfg: BenchConfig) -> BenchConfig:
 
 def _method(cfg: BenchConfig, spec: str, nproc: int) -> Method:
     """The method named `spec`; with `cfg.layer` upipe's strategies run as the layer."""
-    m = make_method(spec, nproc)
+    m = make_method(spec, nproc, backend=cfg.attention_kernel)
     if cfg.layer and isinstance(m, UpipeMethod):
         shape = (cfg.heads, cfg.kv_heads, cfg.head_dim)
-        return UpipeLayer(m.kind, m.U, shape=shape, seed=cfg.seed, causal=cfg.causal)
+        kw = dict(shape=shape, seed=cfg.seed, causal=cfg.causal, backend=cfg.attention_kernel)
+        return UpipeLayer(m.kind, m.U, **kw)
     return m
 
 

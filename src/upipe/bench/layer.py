@@ -75,8 +75,8 @@ class UpipeLayer(UpipeMethod):
 
     inputs = "layer"
 
-    def __init__(self, kind, U=None, *, shape: tuple[int, int, int], seed: int, causal: bool):
-        super().__init__(kind, U)
+    def __init__(self, kind, U=None, *, shape, seed: int, causal: bool, backend=None):
+        super().__init__(kind, U, backend)
         self.name = f"layer:{self.name}"
         self.shape, self.seed, self.causal = shape, seed, causal
 
@@ -97,6 +97,7 @@ class UpipeLayer(UpipeMethod):
             strategy=self.kind,
             heads_per_stage=self.U,
             causal=self.causal,
+            backend=self.backend,
             device=device,
         )
         with torch.no_grad():

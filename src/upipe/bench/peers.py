@@ -128,8 +128,8 @@ class UpipeMethod(Method):
     """A strategy of upipe's registry by its functional op: ulysses, upipe (U heads per
     stage), ring, usp (on a ring-of-2 x ulysses-C/2 mesh)."""
 
-    def __init__(self, kind: str, U: int | None = None):
-        self.kind, self.U, self.spec = kind, U, get_strategy(kind)
+    def __init__(self, kind: str, U: int | None = None, backend: str | None = None):
+        self.kind, self.U, self.spec, self.backend = kind, U, get_strategy(kind), backend
         self.name = f"{kind}(U={U})" if self.spec.heads_per_stage else kind
         self.layout = self.spec.layout
 
@@ -174,7 +174,7 @@ class UpipeMethod(Method):
         where = {"group": self.group} if self.mesh is None else {"mesh": self.mesh}
         if self.spec.heads_per_stage:
             where["heads_per_stage"] = self.U
-        return self.spec.op(q_BLHd, k_BLGd, v_BLGd, causal=causal, **where)
+        return self.spec.op(q_BLHd, k_BLGd, v_BLGd, causal=causal, backend=self.backend, **where)
 
 
 def _sdpa_BSnd(q_BShd, k_BSgd, v_BSgd, causal):
@@ -351,16 +351,17 @@ PEERS = ("deepspeed-ulysses", "yunchang-ulysses", "yunchang-usp", "torch-cp")
 DEFAULT_METHODS = ("ulysses", "upipe", "upipe:8", "ring", "usp", *PEERS)
 
 
-def make_method(spec: str, C: int) -> Method:
+def make_method(spec: str, C: int, *, backend: str | None = None) -> Method:
     """A strategy of the registry ('ulysses', 'ring', 'usp'; 'upipe' with U = C heads per
-    stage, 'upipe:8' with U = 8), or a peer in PEERS."""
+    stage, 'upipe:8' with U = 8) running upipe's local kernel `backend` (`upipe.kernels`),
+    or a peer in PEERS."""
     kind, _, u = spec.partition(":")
     entry = STRATEGIES.get(kind)
     if entry is not None and entry.context_parallel:
         if entry.heads_per_stage:
-            return UpipeMethod(kind, int(u) if u else C)
+            return UpipeMethod(kind, int(u) if u else C, backend)
         if not u:
-            return UpipeMethod(kind)
+            return UpipeMethod(kind, backend=backend)
     if spec == "deepspeed-ulysses":
         return DeepSpeedUlysses()
     if spec in ("yunchang-ulysses", "yunchang-usp"):

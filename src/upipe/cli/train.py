@@ -61,8 +61,8 @@ def add_command(sub) -> None:
 # how `upipe train --help` groups its options (every TrainConfig field; tests/test_cli.py)
 OPTION_GROUPS = {
     "model and parallelism": (
-        "model", "strategy", "nproc", "dp", "ring", "heads_per_stage", "device", "fsdp",
-        "fsdp_offload", "timeout",
+        "model", "strategy", "nproc", "dp", "ring", "heads_per_stage", "device",
+        "attention_kernel", "fsdp", "fsdp_offload", "timeout",
     ),
     "data": (
         "data", "skip_bad_records", "tokenizer", "seq_len", "batch_size", "document_mask", "seed",

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from upipe.attention.registry import STRATEGIES, get_strategy
+from upipe.kernels import KERNELS
 from upipe.model import PRESETS, get_config
 from upipe.planner.step import StepSimulator
 from upipe.plot import Panel, Series, save_plot
@@ -58,6 +59,10 @@ class PlanConfig:
     buffers, fused RMSNorm, out_dtype GEMMs) and offloads to host memory; cpu charges the CPU
     kernels' and offloads nothing, as `upipe train` runs on CPU (to check a plan against a
     real run on this machine)."""
+    attention_kernel: str = dataclasses.field(default="auto", metadata={"choices": KERNELS})
+    """The CUDA attention kernel whose backward workspace is charged (`upipe.kernels_cuda.
+    backward_workspace_bytes`: cudnn and fa3/fa4 hold less than flash-attn 2 for GQA); auto
+    is charged as flash, the largest for GQA with H / G >= 4."""
     granularity: int = 65536
     """Sequence lengths searched are multiples of this."""
     max_seq_len: int = 16 * 2**20
@@ -312,7 +317,8 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     depths = extrapolation_depths(cfg, model.n_layers) if pc.extrapolate else None
     host_budget = pc.host_memory_gib * GiB
     mems, start = {}, time.perf_counter()
-    with StepSimulator(cfg, pc.gpus, model, depths=depths, kernels=pc.device) as sim:
+    sim_kw = dict(depths=depths, kernels=pc.device, attention_kernel=pc.attention_kernel)
+    with StepSimulator(cfg, pc.gpus, model, **sim_kw) as sim:
 
         def used(S):
             """The fraction of the budget S needs: of the device memory, or of the host

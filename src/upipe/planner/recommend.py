@@ -135,7 +135,8 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
     cfg = TrainConfig(**kw, plot=None)
     depths = plan.extrapolation_depths(cfg, model.n_layers)
     memory_depths = depths if pc.extrapolate else None
-    with StepSimulator(cfg, pc.gpus, model, depths=memory_depths, kernels=pc.device) as sim:
+    sim_kw = dict(depths=memory_depths, kernels=pc.device, attention_kernel=pc.attention_kernel)
+    with StepSimulator(cfg, pc.gpus, model, **sim_kw) as sim:
         m = sim.step(N, explain=True)
     too_much = []
     if m.peak_bytes > budget:

@@ -42,10 +42,11 @@ What the simulation replaces, and why it does not change the memory:
   fused UPipe op alike). The fused UPipe op's fp32 accumulations (y's row chunks, dx)
   likewise: on CUDA an out_dtype GEMM adds into the fp32 buffer in place
   (`upipe.gemm.addmm_acc_`), the CPU path first makes an fp32 copy of each operand.
-  Likewise the attention backward is charged flash-attn 2's in-kernel
-  buffers (an fp32 dq accumulator, and for GQA dk/dv expanded to the query heads; see
-  `StepTracker`), which the CPU kernel does not allocate. Smaller workspaces (cuBLAS, the
-  forward's) are left to the planner's reserve.
+  Likewise the attention backward is charged the in-kernel buffers of the CUDA kernel
+  planned for (`attention_kernel`; flash-attn 2's by default: an fp32 dq accumulator, and
+  for GQA dk/dv expanded to the query heads; see `StepTracker`), which the CPU kernel does
+  not allocate. Smaller workspaces (cuBLAS, the forward's) are left to the planner's
+  reserve.
 - The batch is synthetic (ids, labels and positions `[B, L]` int64, as on the device).
 - The optimizer states are created by one unmeasured warm-up step, so the measured step
   is a steady-state step (states persistent, gradients set to None).
@@ -68,6 +69,7 @@ from unittest import mock
 
 import torch
 
+from upipe.kernels_cuda import backward_workspace_bytes
 from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
 from upipe.mesh import make_mesh
@@ -197,11 +199,12 @@ class StepTracker(MemoryTracker):
     storages at the device peak.
 
     `cuda_workspaces`: also count, while the attention backward kernel runs, the buffers that
-    flash-attn 2's backward allocates inside the kernel (on top of dq, dk, dv): the fp32 dq
-    accumulator, q-shaped `[B, Sq, h, d]` (4 bytes per element), and for GQA dk and dv
-    expanded to the query heads before they are summed (2 x `[B, Sk, h, d]` in k's dtype).
-    The CPU kernel that runs here has neither, but on a GPU they are real memory at long
-    context.
+    the CUDA kernel `attention_kernel` allocates inside it (on top of dq, dk, dv;
+    `upipe.kernels_cuda.backward_workspace_bytes`) -- for flash-attn 2 (flash, and auto) the
+    fp32 dq accumulator, q-shaped `[B, Sq, h, d]` (4 bytes per element), and for GQA dk and
+    dv expanded to the query heads before they are summed (2 x `[B, Sk, h, d]` in k's
+    dtype). The CPU kernel that runs here has none of them, but on a GPU they are real
+    memory at long context.
 
     Host memory: storages on `HOST_DEVICE`, those passed to `to_host`, and those allocated
     inside `on_host()` (with `optimizer_on_host`, `_measure` runs the optimizer phase there).
@@ -214,9 +217,17 @@ class StepTracker(MemoryTracker):
 
     _ATTN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
-    def __init__(self, *, explain: bool = False, cuda_workspaces: bool = False, fake: bool = False):
+    def __init__(
+        self,
+        *,
+        explain: bool = False,
+        cuda_workspaces: bool = False,
+        fake: bool = False,
+        attention_kernel: str = "auto",
+    ):
         super().__init__()
         self.cuda_workspaces, self.fake = cuda_workspaces, fake
+        self.attention_kernel = attention_kernel
         self.phase = "forward"
         self.phase_peak_bytes: dict[str, int] = {}
         self.host_bytes = self.host_peak_bytes = 0
@@ -243,15 +254,16 @@ class StepTracker(MemoryTracker):
         out = self._run(func, args, kwargs, inputs)
         if self.cuda_workspaces and func is self._ATTN_BWD:
             _, q, k = args[:3]  # [B, h, Sq, d] / [B, hk, Sk, d]
-            # fp32 dq accumulator [B, h, Sq, d]; GQA: dk, dv expanded to [B, h, Sk, d]
-            expanded = k.numel() // k.shape[1] * q.shape[1] if k.shape[1] < q.shape[1] else 0
-            self._transient(q.numel() * 4 + 2 * expanded * k.element_size())
+            (B, h, Sq, d), (hk, Sk) = q.shape, k.shape[1:3]
+            shape = (B, Sq, Sk, h, hk, d, k.element_size())
+            self._transient(backward_workspace_bytes(self.attention_kernel, *shape))
         return out
 
     def _transient(self, nbytes: int) -> None:
         """A buffer of `nbytes` that lives only inside the op just run (a kernel workspace)."""
         self.current_bytes += nbytes
-        self._grew((nbytes, "flash-attn backward workspace"))
+        kernel = {"cudnn": "cuDNN", "fa3": "FA3", "fa4": "FA4"}.get(self.attention_kernel)
+        self._grew((nbytes, f"{kernel or 'flash-attn'} backward workspace"))
         self.current_bytes -= nbytes
 
     def _grew(self, transient: tuple[int, str] | None = None) -> None:
@@ -359,6 +371,7 @@ class StepSimulator:
         model=None,
         *,
         kernels: str = "cuda",
+        attention_kernel: str = "auto",
         depths=None,
         sample_loops: bool = True,
         rank: int = 0,
@@ -372,10 +385,12 @@ class StepSimulator:
         iterations repeat the same memory (two tiles per tile loop; the ring's diagonal
         block, then every rank's off-diagonal blocks twice): the worst rank's peak, at a
         cost independent of the sequence length and the ring size. False runs this rank's
-        loops in full."""
+        loops in full. `attention_kernel`: the CUDA attention kernel whose backward workspace
+        is charged with kernels "cuda" (`StepTracker`); the step itself runs the CPU kernel."""
         if kernels not in ("cuda", "cpu"):
             raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
         self.cfg, self.world, self.kernels = cfg, world, kernels
+        self.attn = attention_kernel
         self.sample_loops, self.rank = sample_loops, rank
         self.model_config = model or get_config(cfg.model)
         n = self.model_config.n_layers
@@ -414,7 +429,8 @@ class StepSimulator:
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # fake parameters cannot be cast: make them so
         # counts everything this trainer ever allocates
-        mem = StepTracker(cuda_workspaces=self.kernels == "cuda", fake=True)
+        workspaces = dict(cuda_workspaces=self.kernels == "cuda", attention_kernel=self.attn)
+        mem = StepTracker(fake=True, **workspaces)
         try:
             with mem, _no_init():
                 trainer = Trainer(cfg, torch.device("cpu"), mesh=mesh, model_config=model_config)

@@ -9,6 +9,8 @@ import torch
 
 from upipe.attention.registry import CLI_WORDS, STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage
+from upipe.kernels import KERNELS
+from upipe.kernels_select import kernel_problem
 from upipe.model import PRESETS, ModelConfig, config_from_hf, get_config
 from upipe.train.parallelize import MemoryFeatures
 from upipe.train.tokenizers import VOCAB_SIZE, load_tokenizer
@@ -107,6 +109,12 @@ class TrainConfig:
     the units running."""
     device: str = dataclasses.field(default="cpu", metadata={"choices": ("cpu", "cuda")})
     """Device of each rank (cuda: one GPU per process, NCCL; launch with torchrun)."""
+    attention_kernel: str = dataclasses.field(default="auto", metadata={"choices": KERNELS})
+    """Local attention kernel on CUDA (`upipe.kernels`): auto picks by GPU, dtype and head
+    dim (FA3 on H100/H200 where installed, else cuDNN; FA4 on B200 where installed, else
+    cuDNN; FA2 on A100; the memory-efficient kernel in fp32); the others force one, checked
+    at start (a missing package or an unsupported head dim is refused). fa3/fa4 switch
+    torch's flash ops to that impl for the whole process."""
     timeout: float = 600.0
     """Seconds a rank waits for its peers in a collective (the process group's timeout,
     gloo and NCCL alike); a rank that stops answering stops the run after this long, named."""
@@ -192,6 +200,9 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
             f"--master-dtype {cfg.master_dtype} is less precise than the compute --dtype "
             f"{cfg.dtype}: use --master-dtype {cfg.dtype}"
         )
+    problem = _kernel_problem(cfg, m)
+    if problem:
+        return problem
     dp, ring, uly = cfg.degrees(world)
     if world % dp:
         return f"--dp {dp} must divide the number of processes ({world})"
@@ -260,6 +271,23 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
         f"the model's vocabulary ({m.vocab_size}) is smaller than the {vocab} {tokens}: use "
         "another --tokenizer or a model whose vocabulary holds its ids"
     )
+
+
+def _kernel_problem(cfg: TrainConfig, m: ModelConfig) -> str | None:
+    """Whether --attention-kernel can run the model's attention here (CUDA: on this
+    process's GPU, with the packages installed here; torchrun checks every rank)."""
+    kernel = cfg.attention_kernel
+    if kernel == "auto":
+        return None
+    if cfg.device != "cuda":
+        return (
+            f"--attention-kernel {kernel} runs on CUDA (--device cuda); on CPU leave it at auto "
+            "(the CPU kernel)"
+        )
+    if not torch.cuda.is_available():
+        return None  # the launch itself fails with its own message
+    problem = kernel_problem(kernel, torch.device("cuda"), DTYPES[cfg.dtype], m.head_dim)
+    return problem and f"--attention-kernel {kernel}: {problem}"
 
 
 def padded_length(cfg: TrainConfig, world: int) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from upipe.kernels import prepare_kernel
 from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mean
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
@@ -119,7 +120,12 @@ class Trainer:
         # shards are allocated (a 70B model never exists whole on a GPU); else on the
         # device. Either way initialised from the seed to the same values.
         model = _build(config, master, "meta" if cfg.fsdp else device)
-        parallelize(model, self.cp, heads_per_stage=cfg.heads_per_stage)
+        # the attention kernel checked here, before any step (and FA3/FA4 activated, which is
+        # process-wide; auto logs its choice); the layers get the option itself (auto may
+        # choose differently for packed documents)
+        prepare_kernel(cfg.attention_kernel, device, compute, config.head_dim)
+        attn = dict(heads_per_stage=cfg.heads_per_stage, backend=cfg.attention_kernel)
+        parallelize(model, self.cp, **attn)
         apply_memory_features(model, cfg.features(), device)
         self.masters = None
         if cfg.fsdp:
@@ -133,7 +139,7 @@ class Trainer:
         self.model = self.master = model
         if compute != master and not cfg.fsdp:  # a compute copy of the fp32 masters
             self.model = _build(config, compute, device)
-            parallelize(self.model, self.cp, heads_per_stage=cfg.heads_per_stage)
+            parallelize(self.model, self.cp, **attn)
             apply_memory_features(self.model, cfg.features(), device)
             self.masters = MasterWeights(self.model, self.master)
         self.optimizer = torch.optim.AdamW(
