@@ -206,7 +206,34 @@ class HFMemory:
                 "mask, which upipe's decoder stack does not build: use 'sdpa' (or a flash "
                 "implementation)"
             )
-        return None
+        return self._double_checkpoint_problem(base.layers)
+
+    def _double_checkpoint_problem(self, layers) -> str | None:
+        """Layers (or modules in them) wrapped by torch's `checkpoint_wrapper` (accelerate's
+        `fsdp_activation_checkpointing`, torch's `apply_activation_checkpointing`) that upipe
+        checkpoints as well would be recomputed twice. (Recognised by class name, as the
+        architectures are: torch keeps the wrapper in a private module; FSDP2 subclasses it.)"""
+        if not any(
+            c.__name__ == "CheckpointWrapper"
+            for layer in layers
+            for m in layer.modules()
+            for c in type(m).__mro__
+        ):
+            return None
+        if self.options.activation_checkpoint:
+            ours, fix = "activation_checkpoint=True", "activation_checkpoint=False"
+        elif any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+            ours = "transformers' gradient checkpointing, which upipe takes over"
+            fix = "gradient_checkpointing=False"
+        else:
+            return None
+        return (
+            "the decoder layers are wrapped by torch's checkpoint_wrapper (accelerate's "
+            f"fsdp_activation_checkpointing) and upipe checkpoints them too ({ours}): each layer "
+            "would be recomputed twice; turn one off: fsdp_activation_checkpointing: false in the "
+            "accelerate config (TrainingArguments(fsdp_config={'activation_checkpointing': "
+            f"False}})), or {fix}"
+        )
 
     def run_layers(self, base, layers, x_BLD, args):
         """The decoder layers on x, checkpointed as `checkpointing` says."""
