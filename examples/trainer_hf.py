@@ -15,8 +15,9 @@ The data: paragraphs of a local text file as documents of bytes (no tokenizer, n
 `--trainer sft` pads them into rows (TRL's collator; padding on the right); `--trainer
 trainer sft` runs both, one after the other. The model: `--model-dir` (a local Hugging Face
 directory, with a tokenizer for sft), or a small Llama with random weights built from a
-config. Every step's loss (and the held-out loss at the end) go to `--losses` as JSON, by
-trainer; each trainer saves its checkpoint under `--output-dir`/trainer or /sft.
+config. Every step's loss (by step number) and the held-out loss at the end go to `--losses`
+as JSON, by trainer; each trainer saves its checkpoints (every `--save-steps`, by default once,
+at the end) under `--output-dir`/trainer or /sft.
 
 What changes against a plain Trainer script: the trainer class gets `ContextParallelMixin` in
 front (`upipe.integrations.trainer`) and takes `context_parallel_group=` and
@@ -194,8 +195,18 @@ def parser() -> argparse.ArgumentParser:
         "--memory-features", action="store_true",
         help="upipe's tiled MLP, chunked loss, activation checkpointing and offload",
     )  # fmt: skip
-    p.add_argument("--mlp-tile", type=int, default=1024, help="tokens per MLP tile")
-    p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per loss chunk")
+    p.add_argument(
+        "--mlp-tile",
+        type=int,
+        default=32,
+        help="tokens per MLP tile (short, for this example's rows; about 1024 for long ones)",
+    )
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=32,
+        help="tokens per loss chunk (about 1024 for long sequences)",
+    )
     p.add_argument(
         "--activation-checkpointing", action="store_true",
         help="transformers' activation (gradient) checkpointing: TrainingArguments'",
