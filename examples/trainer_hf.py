@@ -128,7 +128,8 @@ def build_trainer(args, name: str, distributed: bool):
         output_dir=os.path.join(args.output_dir, name),
         max_steps=args.steps,
         per_device_train_batch_size=args.batch,
-        per_device_eval_batch_size=args.batch,
+        gradient_accumulation_steps=args.grad_accum,
+        per_device_eval_batch_size=args.batch * args.grad_accum,  # a step's documents
         learning_rate=args.lr,
         optim=args.optim,
         lr_scheduler_type="constant",
@@ -215,7 +216,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=str(ROOT / "README.md"), help="the documents' source")
     p.add_argument("--docs", type=int, default=40, help="documents (a fifth held out)")
     p.add_argument("--doc-len", type=int, default=256, help="bytes per document at most")
-    p.add_argument("--batch", type=int, default=4, help="documents per batch")
+    p.add_argument("--batch", type=int, default=4, help="documents per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--save-steps", type=int, help="checkpoint every n steps (default: at the end)")
     p.add_argument(

@@ -29,9 +29,11 @@ ACCELERATE_CONFIG = ROOT / "examples" / "accelerate_fsdp2.yaml"
 TOL32 = TOL[torch.float32]
 STEPS = 4
 # upipe's memory features at tiles below the tokens per rank (4 ranks: about 64 per padded
-# row, 250 per packed one); transformers' checkpointing on as well (upipe takes it over)
+# row, 125 per packed one); transformers' checkpointing on as well (upipe takes it over); the
+# reference's 4 documents per step in 2 micro-batches (the mixin averages DDP's gradients at
+# the second)
 FEATURES = ("--memory-features", "--mlp-tile", "24", "--loss-chunk", "40")
-FEATURES += ("--activation-checkpointing", "--save-steps", "2")
+FEATURES += ("--activation-checkpointing", "--save-steps", "2", "--batch", "2", "--grad-accum", "2")
 
 
 def _example():
@@ -101,9 +103,9 @@ def reference(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def with_features(model_dir, tmp_path_factory):
     """accelerate launch (the FSDP2 config; DDP on the CPU), 4 ranks, UPipe with every memory
-    feature and transformers' checkpointing: the Trainer (packed rows), then the SFTTrainer
-    (padded rows); checkpoints at steps 2 and 4. Returns (runs, output dir, attention calls
-    per layer and step)."""
+    feature and transformers' checkpointing, 2 micro-batches per step: the Trainer (packed
+    rows), then the SFTTrainer (padded rows); checkpoints at steps 2 and 4. Returns (runs,
+    output dir, attention calls per layer and micro-batch)."""
     out = tmp_path_factory.mktemp("features")
     calls = out / "calls.json"
     runs = _train(
@@ -142,7 +144,8 @@ def test_losses_and_checkpoints_match_the_unmodified_model(model_dir, reference,
 
 def test_memory_features_match_the_unmodified_model(reference, with_features):
     """The same with upipe's tiled MLP, chunked loss and checkpointing, 4 ranks, under
-    accelerate launch: the Trainer (packed rows; upipe's chunked loss), then the SFTTrainer
+    accelerate launch, each step in 2 micro-batches (DDP's gradients averaged by the mixin at
+    the second): the Trainer (packed rows; upipe's chunked loss), then the SFTTrainer
     with padded rows (TRL's collator) and TRL's own loss (its fused LM head on upipe's
     decoder stack) -- the same documents, the same mean over their tokens. With transformers'
     checkpointing also on, each layer is recomputed once (by upipe)."""

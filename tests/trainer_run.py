@@ -1,8 +1,8 @@
 """examples/trainer_hf.py as it is, counting each decoder layer's attention calls in training:
 run by tests/test_integrations_trainer.py under torchrun or `accelerate launch` with the
 example's arguments plus `--calls PATH`, where rank 0 writes {trainer: calls per layer and
-training step} as JSON. A layer runs its attention once per step in forward, and once more
-per recompute in backward."""
+micro-batch in training} as JSON. A layer runs its attention once per micro-batch in
+forward, and once more per recompute in backward."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def main():
             self.first_step, self.calls[:] = state.global_step, [0] * len(self.calls)
 
         def on_train_end(self, args, state, control, **kwargs):
-            steps = state.global_step - self.first_step
-            per_step[self.name] = [n / steps for n in self.calls]
+            micro_batches = (state.global_step - self.first_step) * args.gradient_accumulation_steps
+            per_step[self.name] = [n / micro_batches for n in self.calls]
 
     def counting_build(args, name, distributed):
         trainer = build(args, name, distributed)
