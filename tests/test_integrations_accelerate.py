@@ -49,11 +49,23 @@ def test_fsdp2_as_accelerate_applies_it(clusters, options, accelerate_ac, calls)
         assert r_calls == calls  # forward, and once more in backward
 
 
-def test_accelerate_and_upipe_checkpointing_together_raise_on_every_rank(clusters):
-    options = dict(W.FEATURES, activation_checkpoint=True)
-    for message in clusters(2).run(W.fsdp2_like_accelerate, _reference()[2], options, True):
+@pytest.mark.parametrize(
+    "options,hf_checkpointing,ours,fix",
+    [
+        (dict(W.FEATURES, activation_checkpoint=True), False, "activation_checkpoint=True",
+         "activation_checkpoint=False"),
+        (W.FEATURES, True, "transformers' gradient checkpointing, which upipe takes over",
+         "gradient_checkpointing=False"),
+    ],
+)  # fmt: skip
+def test_accelerate_and_upipe_checkpointing_together_raise_on_every_rank(
+    clusters, options, hf_checkpointing, ours, fix
+):
+    state = _reference()[2]
+    results = clusters(2).run(W.fsdp2_like_accelerate, state, options, True, hf_checkpointing)
+    for message in results:
         assert isinstance(message, str), message
         assert "checkpoint_wrapper (accelerate's fsdp_activation_checkpointing)" in message
-        assert "(activation_checkpoint=True): each layer would be recomputed twice" in message
+        assert f"({ours}): each layer would be recomputed twice" in message
         assert "fsdp_activation_checkpointing: false" in message
-        assert message.endswith("or activation_checkpoint=False")
+        assert message.endswith(f"or {fix}")

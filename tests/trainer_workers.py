@@ -67,7 +67,7 @@ def checkpointing_kwargs_error(rank, world_size, kwargs, options):
     return _checkpointing_problem(args, model)
 
 
-def fsdp2_like_accelerate(rank, world_size, state, options, accelerate_ac):
+def fsdp2_like_accelerate(rank, world_size, state, options, accelerate_ac, hf_checkpointing=False):
     """tests/hf_workers' llama converted with `options`, then sharded by FSDP2 the way
     accelerate's `prepare` does it for `fsdp_version: 2` -- accelerate's own functions,
     `fsdp2_apply_ac` (with `accelerate_ac`, its `fsdp_activation_checkpointing`) and
@@ -77,7 +77,8 @@ def fsdp2_like_accelerate(rank, world_size, state, options, accelerate_ac):
     share of the loss given the step's count of labels, times the number of processes; FSDP2
     averages the gradients). Returns the loss summed over the ranks, every parameter's full
     gradient, the attention calls per layer and the FSDP units (module names; a
-    CheckpointWrapper's name for the module it wraps); or the ValueError's message."""
+    CheckpointWrapper's name for the module it wraps); or the ValueError's message.
+    `hf_checkpointing`: transformers' gradient checkpointing turned on as well."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
     from torch.distributed.fsdp import FSDPModule
@@ -90,6 +91,8 @@ def fsdp2_like_accelerate(rank, world_size, state, options, accelerate_ac):
     model.load_state_dict(state)
     apply_context_parallel(model, group=group, **options)
     model.train()
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable()
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",  # the model's _no_split_modules

@@ -41,8 +41,8 @@ What the mixin changes, and why:
    would (one all-reduce per dtype, after the backward instead of overlapped with it).
    FSDP2 needs nothing of the kind: it reduces a unit's gradients once its backward is done.
 
-Checkpointing: `TrainingArguments(gradient_checkpointing=True)` (transformers 5's
-`activation_checkpointing=True`) goes with the memory features -- upipe takes it over, one
+Checkpointing: `TrainingArguments(gradient_checkpointing=True)` (in transformers 5.24 an alias
+of `activation_checkpointing=True`) goes with the memory features -- upipe takes it over, one
 recompute per layer (`upipe.integrations.hf_memory`) -- but its `every_n_layers` / `offload`
 keywords would be ignored there, so they raise. accelerate's `fsdp_activation_checkpointing`
 with upipe's `activation_checkpoint=True` would recompute every layer twice: the model's first
