@@ -402,9 +402,14 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
     if problem:  # (apply_context_parallel's input hook raises it on every rank first)
         raise ValueError(problem)
     base = model.model
-    stack_is_upipes = memory.options.layers_replaced
+    # the final norm runs in the loss's chunks where upipe runs the stack -- unless it is in
+    # an FSDP2 unit, sharded until its call (accelerate's [norm, lm_head] unit): the chunks
+    # would take the sharded parameters while the call gathers others ("not used in the
+    # graph"); called in the stack it gathers the unit, lm_head's weight too, before the loss
+    norm_sharded = any(hasattr(p, "full_tensor") for p in base.norm.parameters())
+    norm_in_loss = memory.options.layers_replaced and not norm_sharded
     out = base(
-        input_ids=input_ids, **kwargs, **({"_upipe_final_norm": False} if stack_is_upipes else {})
+        input_ids=input_ids, **kwargs, **({"_upipe_final_norm": False} if norm_in_loss else {})
     )
     lm_head = model.get_output_embeddings()
     weight, bias = lm_head.weight, lm_head.bias
@@ -417,7 +422,7 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
         chunk_tokens=memory.options.loss_chunk,
         ignore_index=ignore_index,
         bias_V=bias,
-        norm=base.norm if stack_is_upipes else None,  # in the loss's chunks
+        norm=base.norm if norm_in_loss else None,  # in the loss's chunks
     )
     loss = token_mean(loss_sum, shift_labels, num_items, memory.group, ignore_index)
     return CausalLMOutputWithPast(loss=loss, logits=None)
