@@ -3,6 +3,10 @@ split over the torchrun ranks by upipe (context parallelism).
 
     torchrun --nproc-per-node 4 examples/trainer_hf.py                 # Trainer, UPipe, 4 CPU ranks
     torchrun --nproc-per-node 2 examples/trainer_hf.py --trainer sft --strategy ulysses
+    torchrun --nproc-per-node 4 examples/trainer_hf.py --memory-features --activation-checkpointing
+    torchrun --nproc-per-node 4 examples/trainer_hf.py --memory-features --steps 8 \
+        --resume-from-checkpoint last                                  # continue that run
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/trainer_hf.py
     python examples/trainer_hf.py --no-context-parallel                # the unmodified model
 
 The data: paragraphs of a local text file as documents of bytes (no tokenizer, no download).
@@ -11,11 +15,20 @@ The data: paragraphs of a local text file as documents of bytes (no tokenizer, n
 `--trainer sft` pads them into rows (TRL's collator; padding on the right); `--trainer
 trainer sft` runs both, one after the other. The model: `--model-dir` (a local Hugging Face
 directory, with a tokenizer for sft), or a small Llama with random weights built from a
-config. Every step's loss (and the held-out loss at the end) go to `--losses` as JSON, by
-trainer; each trainer saves its checkpoint under `--output-dir`/trainer or /sft.
+config. Every step's loss (by step number) and the held-out loss at the end go to `--losses`
+as JSON, by trainer; each trainer saves its checkpoints (every `--save-steps`, by default once,
+at the end) under `--output-dir`/trainer or /sft.
 
-What changes against a plain Trainer script: `apply_context_parallel(model, group=...)`, and
-the trainer class gets `ContextParallelMixin` in front (`upipe.integrations.trainer`).
+What changes against a plain Trainer script: the trainer class gets `ContextParallelMixin` in
+front (`upipe.integrations.trainer`) and takes `context_parallel_group=` and
+`context_parallel=`, the keywords with which it converts the model (`apply_context_parallel`'s):
+the strategy, and with `--memory-features` upipe's tiled MLP, chunked loss and activation
+checkpointing with offload (offload acts on CUDA only: on the CPU the checkpointed inputs are
+in host memory already). `--activation-checkpointing` is transformers' own
+(`TrainingArguments(activation_checkpointing=True)`, formerly `gradient_checkpointing=True`),
+which upipe takes over where it runs the layers: one recompute per layer. Under `accelerate
+launch` on the CPU, accelerate 1.15 runs DDP whatever the config says (it sets up FSDP for
+accelerator devices only): see docs/hf.md.
 """
 
 from __future__ import annotations
@@ -74,8 +87,23 @@ def small_model():
     return LlamaForCausalLM(config).float()
 
 
-def train(args, name: str, distributed: bool) -> dict:
-    """Train with the trainer `name` ("trainer" or "sft"); its losses and held-out loss."""
+def context_parallel_options(args) -> dict:
+    """The keywords of `apply_context_parallel` the trainer converts the model with."""
+    options = dict(strategy=args.strategy)
+    if args.memory_features:
+        options.update(
+            tiled_mlp=True,
+            mlp_tile=args.mlp_tile,
+            chunked_loss=True,
+            loss_chunk=args.loss_chunk,
+            activation_checkpoint=True,
+            offload=True,
+        )
+    return options
+
+
+def build_trainer(args, name: str, distributed: bool):
+    """The trainer `name` ("trainer" or "sft") for the model and data of `args`."""
     import datasets
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer
 
@@ -85,11 +113,12 @@ def train(args, name: str, distributed: bool) -> dict:
         model = small_model()
     cp = {}
     if args.context_parallel and distributed:
-        from upipe.integrations.hf import apply_context_parallel
         from upipe.integrations.trainer import ContextParallelMixin
 
-        apply_context_parallel(model, group=dist.group.WORLD, strategy=args.strategy)
-        cp = {"context_parallel_group": dist.group.WORLD}
+        cp = {
+            "context_parallel_group": dist.group.WORLD,
+            "context_parallel": context_parallel_options(args),
+        }
 
     docs = byte_documents(args.text, args.docs, args.doc_len)
     held_out = len(docs) // 5
@@ -99,13 +128,15 @@ def train(args, name: str, distributed: bool) -> dict:
         output_dir=os.path.join(args.output_dir, name),
         max_steps=args.steps,
         per_device_train_batch_size=args.batch,
-        per_device_eval_batch_size=args.batch,
+        gradient_accumulation_steps=args.grad_accum,
+        per_device_eval_batch_size=args.batch * args.grad_accum,  # a step's documents
         learning_rate=args.lr,
         optim=args.optim,
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="steps",
-        save_steps=args.steps,
+        save_steps=args.save_steps or args.steps,
+        activation_checkpointing=args.activation_checkpointing,
         report_to="none",
         use_cpu=True,
         seed=0,
@@ -129,12 +160,19 @@ def train(args, name: str, distributed: bool) -> dict:
         kw = dict(data_collator=DataCollatorWithFlattening())
     if cp:
         base = type(f"ContextParallel{base.__name__}", (ContextParallelMixin, base), {})
-    trainer = base(
+    return base(
         model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set, **kw, **cp
     )
-    trainer.train()
+
+
+def train(args, name: str, distributed: bool) -> dict:
+    """Train with the trainer `name`: every step's loss by step number (resumed: the
+    checkpoint's log history, then the steps run now) and the held-out loss at the end."""
+    trainer = build_trainer(args, name, distributed)
+    resume = args.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     eval_loss = trainer.evaluate()["eval_loss"]
-    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
     return {"losses": losses, "eval_loss": eval_loss}
 
 
@@ -146,7 +184,7 @@ def _tokenizer(args):
     return byte_tokenizer()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--trainer", nargs="+", choices=("trainer", "sft"), default=["trainer"],
@@ -154,18 +192,48 @@ def main():
     )  # fmt: skip
     p.add_argument("--strategy", choices=("upipe", "ulysses", "ring"), default="upipe")
     p.add_argument("--no-context-parallel", dest="context_parallel", action="store_false")
+    p.add_argument(
+        "--memory-features", action="store_true",
+        help="upipe's tiled MLP, chunked loss, activation checkpointing and offload",
+    )  # fmt: skip
+    p.add_argument(
+        "--mlp-tile",
+        type=int,
+        default=32,
+        help="tokens per MLP tile (short, for this example's rows; about 1024 for long ones)",
+    )
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=32,
+        help="tokens per loss chunk (about 1024 for long sequences)",
+    )
+    p.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="transformers' activation (gradient) checkpointing: TrainingArguments'",
+    )  # fmt: skip
     p.add_argument("--model-dir", help="a local Hugging Face model directory")
     p.add_argument("--text", default=str(ROOT / "README.md"), help="the documents' source")
     p.add_argument("--docs", type=int, default=40, help="documents (a fifth held out)")
     p.add_argument("--doc-len", type=int, default=256, help="bytes per document at most")
-    p.add_argument("--batch", type=int, default=4, help="documents per batch")
+    p.add_argument("--batch", type=int, default=4, help="documents per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--save-steps", type=int, help="checkpoint every n steps (default: at the end)")
+    p.add_argument(
+        "--resume-from-checkpoint",
+        help="a checkpoint directory, or 'last': each trainer's newest under --output-dir",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim")
     p.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "upipe-trainer"))
     p.add_argument("--losses", help="write the losses here (JSON)")
     p.add_argument("--timeout", type=int, default=300, help="process group timeout, seconds")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     distributed = "WORLD_SIZE" in os.environ
     if distributed:  # before TrainingArguments, which would otherwise make the group
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))

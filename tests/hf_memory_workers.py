@@ -127,11 +127,13 @@ def _feature_error(name, group):
     model(**batch, **kw)
 
 
-def dropin_with_features(rank, world_size, state, options):
+def dropin_with_features(rank, world_size, state, options, dropin="upipe"):
     """tests/hf_workers' llama made sequence-parallel by upipe's drop-in for ALST
-    (`UPipeSPAttentionHF.register_with_transformers`), with upipe's memory features added by
+    (`UPipeSPAttentionHF.register_with_transformers`), or with `dropin="deepspeed"` by ALST's
+    own `UlyssesSPAttentionHF`, with upipe's memory features added by
     `apply_memory_features`; the loss from the model (shift_labels=); returns the loss and
     the parameter gradients."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from deepspeed_workers import _init_deepspeed, forget_sequence_parallel_groups
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -144,8 +146,9 @@ def dropin_with_features(rank, world_size, state, options):
     model = build_model("llama", seed=123, attn_implementation="sdpa").train()
     model.load_state_dict(state)
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    attention = {"upipe": UPipeSPAttentionHF, "deepspeed": UlyssesSPAttentionHF}[dropin]
     try:
-        UPipeSPAttentionHF.register_with_transformers(
+        attention.register_with_transformers(
             model_name_or_path=model,
             core_attn_implementation="sdpa",
             sequence_parallel_size=world_size,

@@ -83,12 +83,14 @@ def test_transformers_gradient_checkpointing_is_taken_over(clusters):
     assert results[0][3] == [2, 2]
 
 
-def test_deepspeed_dropin_with_upipe_features(clusters):
-    """ALST's recipe with upipe's pieces: the drop-in attention for `UlyssesSPAttentionHF`,
-    plus upipe's tiled MLP, chunked loss and checkpointing (`apply_memory_features`)."""
+@pytest.mark.parametrize("dropin", ["upipe", "deepspeed"])
+def test_deepspeed_dropin_with_upipe_features(clusters, dropin):
+    """ALST's recipe with upipe's pieces: the drop-in attention for `UlyssesSPAttentionHF`
+    (or DeepSpeed's own), plus upipe's tiled MLP, chunked loss and checkpointing
+    (`apply_memory_features`)."""
     pytest.importorskip("deepspeed")
     reference = _reference("llama")
-    results = clusters(2).run(W.dropin_with_features, reference[2], dict(ALL))
+    results = clusters(2).run(W.dropin_with_features, reference[2], dict(ALL), dropin)
     _check(results, reference, logits_none=True)
 
 

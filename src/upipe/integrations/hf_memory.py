@@ -206,7 +206,34 @@ class HFMemory:
                 "mask, which upipe's decoder stack does not build: use 'sdpa' (or a flash "
                 "implementation)"
             )
-        return None
+        return self._double_checkpoint_problem(base.layers)
+
+    def _double_checkpoint_problem(self, layers) -> str | None:
+        """Layers (or modules in them) wrapped by torch's `checkpoint_wrapper` (accelerate's
+        `fsdp_activation_checkpointing`, torch's `apply_activation_checkpointing`) that upipe
+        checkpoints as well would be recomputed twice. (Recognised by class name, as the
+        architectures are: torch keeps the wrapper in a private module; FSDP2 subclasses it.)"""
+        if not any(
+            c.__name__ == "CheckpointWrapper"
+            for layer in layers
+            for m in layer.modules()
+            for c in type(m).__mro__
+        ):
+            return None
+        if self.options.activation_checkpoint:
+            ours, fix = "activation_checkpoint=True", "activation_checkpoint=False"
+        elif any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+            ours = "transformers' gradient checkpointing, which upipe takes over"
+            fix = "gradient_checkpointing=False"
+        else:
+            return None
+        return (
+            "the decoder layers are wrapped by torch's checkpoint_wrapper (accelerate's "
+            f"fsdp_activation_checkpointing) and upipe checkpoints them too ({ours}): each layer "
+            "would be recomputed twice; turn one off: fsdp_activation_checkpointing: false in the "
+            "accelerate config (TrainingArguments(fsdp_config={'activation_checkpointing': "
+            f"False}})), or {fix}"
+        )
 
     def run_layers(self, base, layers, x_BLD, args):
         """The decoder layers on x, checkpointed as `checkpointing` says."""
@@ -375,9 +402,14 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
     if problem:  # (apply_context_parallel's input hook raises it on every rank first)
         raise ValueError(problem)
     base = model.model
-    stack_is_upipes = memory.options.layers_replaced
+    # the final norm runs in the loss's chunks where upipe runs the stack -- unless it is in
+    # an FSDP2 unit, sharded until its call (accelerate's [norm, lm_head] unit): the chunks
+    # would take the sharded parameters while the call gathers others ("not used in the
+    # graph"); called in the stack it gathers the unit, lm_head's weight too, before the loss
+    norm_sharded = any(hasattr(p, "full_tensor") for p in base.norm.parameters())
+    norm_in_loss = memory.options.layers_replaced and not norm_sharded
     out = base(
-        input_ids=input_ids, **kwargs, **({"_upipe_final_norm": False} if stack_is_upipes else {})
+        input_ids=input_ids, **kwargs, **({"_upipe_final_norm": False} if norm_in_loss else {})
     )
     lm_head = model.get_output_embeddings()
     weight, bias = lm_head.weight, lm_head.bias
@@ -390,7 +422,7 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
         chunk_tokens=memory.options.loss_chunk,
         ignore_index=ignore_index,
         bias_V=bias,
-        norm=base.norm if stack_is_upipes else None,  # in the loss's chunks
+        norm=base.norm if norm_in_loss else None,  # in the loss's chunks
     )
     loss = token_mean(loss_sum, shift_labels, num_items, memory.group, ignore_index)
     return CausalLMOutputWithPast(loss=loss, logits=None)
