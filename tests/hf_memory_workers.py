@@ -165,3 +165,29 @@ def dropin_with_features(rank, world_size, state, options, dropin="upipe"):
         forget_sequence_parallel_groups()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out.loss.detach(), grads, out.logits is None, []
+
+
+def fsdp2_head_alone(rank, world_size, state, options):
+    """The converted model under FSDP2 with lm_head a unit of its own (each decoder layer one,
+    the root holding the embedding and the final norm): the chunked loss goes through
+    lm_head's call, so FSDP2 gathers its weight and reduce-scatters its gradient as on the
+    logits' path. Returns the loss summed over the ranks and every parameter's full
+    gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    from upipe.integrations.hf import apply_context_parallel, shard_batch
+
+    group = dist.group.WORLD
+    model = build_model("llama", seed=123)
+    model.load_state_dict(state)
+    apply_context_parallel(model, group=group, **options)
+    for unit in [*model.model.layers, model.lm_head, model]:
+        fully_shard(unit)
+    batch = shard_batch(make_batch(), group=group)
+    labels = batch.pop("labels")
+    out = model(**batch, labels=labels, shift_labels=labels)
+    (out.loss * world_size).backward()  # FSDP2 averages the gradients over the ranks
+    loss = out.loss.detach().clone() / world_size
+    dist.all_reduce(loss, group=group)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return loss, grads, True, []

@@ -114,3 +114,15 @@ def test_bad_options_raise_on_every_rank(clusters):
         for case, expected in ERRORS.items():
             assert by_case[case] is not None, f"rank {rank}: {case} did not raise"
             assert expected in by_case[case], (rank, case, by_case[case])
+
+
+def test_chunked_loss_through_a_sharded_lm_head(clusters):
+    """lm_head an FSDP2 unit of its own, sharded outside its call: its gradient is the full
+    one on every rank (the loss runs inside lm_head's call)."""
+    reference = _reference("llama")
+    results = clusters(2).run(W.fsdp2_head_alone, reference[2], dict(ALL))
+    loss, grads, _ = reference
+    for r_loss, r_grads, _, _ in results:
+        assert abs(r_loss.item() - loss.item()) <= 1e-6 * loss.item()
+        errs = {n: rel_err(r_grads[n], g) for n, g in grads.items()}
+        assert max(errs.values()) < TOL32["bwd"], errs

@@ -402,30 +402,43 @@ def _causal_lm(model, memory: HFMemory, hf_forward, input_ids=None, labels=None,
     if problem:  # (apply_context_parallel's input hook raises it on every rank first)
         raise ValueError(problem)
     base = model.model
-    # the final norm runs in the loss's chunks where upipe runs the stack -- unless it is in
-    # an FSDP2 unit, sharded until its call (accelerate's [norm, lm_head] unit): the chunks
-    # would take the sharded parameters while the call gathers others ("not used in the
-    # graph"); called in the stack it gathers the unit, lm_head's weight too, before the loss
+    # the final norm runs in the loss's chunks where upipe runs the stack -- unless its
+    # parameters are an FSDP2 unit's, sharded until that unit's call (accelerate makes the
+    # norm and lm_head one): it runs in the stack then, its call gathering them
     norm_sharded = any(hasattr(p, "full_tensor") for p in base.norm.parameters())
     norm_in_loss = memory.options.layers_replaced and not norm_sharded
     out = base(
         input_ids=input_ids, **kwargs, **({"_upipe_final_norm": False} if norm_in_loss else {})
     )
-    lm_head = model.get_output_embeddings()
-    weight, bias = lm_head.weight, lm_head.bias
-    if hasattr(weight, "full_tensor"):  # an FSDP2 unit of its own: sharded outside its call
-        weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
-    loss_sum = cross_entropy_sum(
-        out.last_hidden_state,
-        weight,
+    # through lm_head's own call, so that what wraps it acts as on the logits' path: FSDP2
+    # gathers its weight before and reduces its gradient after (`_head`)
+    spec = (
         shift_labels,
-        chunk_tokens=memory.options.loss_chunk,
-        ignore_index=ignore_index,
-        bias_V=bias,
-        norm=base.norm if norm_in_loss else None,  # in the loss's chunks
+        memory.options.loss_chunk,
+        ignore_index,
+        base.norm if norm_in_loss else None,
     )
+    loss_sum = model.get_output_embeddings()(out.last_hidden_state, _upipe_loss=spec)
     loss = token_mean(loss_sum, shift_labels, num_items, memory.group, ignore_index)
     return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def _head(head, head_forward, hidden_BLD, _upipe_loss=None):
+    """lm_head's forward: its own (the logits) -- or, given `_upipe_loss` (labels, chunk
+    tokens, ignore index, the final norm or None), the chunked loss's sum through its weight
+    (`upipe.loss.cross_entropy_sum`)."""
+    if _upipe_loss is None:
+        return head_forward(hidden_BLD)
+    labels_BL, chunk, ignore_index, norm = _upipe_loss
+    return cross_entropy_sum(
+        hidden_BLD,
+        head.weight,
+        labels_BL,
+        chunk_tokens=chunk,
+        ignore_index=ignore_index,
+        bias_V=head.bias,
+        norm=norm,
+    )
 
 
 def token_mean(loss_sum, labels_BL, num_items_in_batch, group, ignore_index=IGNORE_INDEX):
@@ -491,6 +504,8 @@ def install(model, options: MemoryOptions, group) -> HFMemory:
             return _causal_lm(self, memory, hf_forward, *args, **kwargs)
 
         model.forward = types.MethodType(forward, model)
+        head = model.get_output_embeddings()
+        head.forward = functools.partial(_head, head, head.forward)
     return memory
 
 
