@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -385,6 +386,19 @@ def test_killed_rank_is_named_at_once(short_timeout):
     assert time.monotonic() - t0 < 20  # not the call's 120 s limit
     assert _one_line(e.value.summary).startswith("rank 1 was killed by SIGKILL (pid ")
     assert "; rank 0 raised RuntimeError: " in e.value.summary  # its own error: the peer left
+
+
+def test_a_task_that_cannot_be_sent_raises_at_once(short_timeout):
+    """A function the ranks could not import (a lambda) or an argument that cannot be
+    pickled: a TypeError in the caller at once, not a wait for the call's limit; the ranks
+    are still there for the next call."""
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match=r"cannot send .*<lambda> to the ranks: .*module-level function"):
+        short_timeout.run(lambda rank, world_size: rank)
+    with pytest.raises(TypeError, match="cannot send pid to the ranks"):
+        short_timeout.run(pid, threading.Lock())
+    assert time.monotonic() - t0 < 10  # not the call's 120 s limit
+    assert len(short_timeout.run(pid)) == 2
 
 
 def test_frozen_rank_is_named_after_the_timeout(short_timeout):

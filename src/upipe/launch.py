@@ -153,11 +153,11 @@ def _worker(rank, world_size, port, timeouts, threads, parent_pid, tasks, result
         return
     results.put((rank, True, "ready"))
     while True:
-        task = tasks.get()
-        if task is None:
-            break
-        fn, args = task
         try:
+            task = tasks.get()  # (unpickled here: a function this process cannot import raises)
+            if task is None:
+                break
+            fn, args = task
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException as e:
             results.put((rank, False, _report(e)))
@@ -206,7 +206,10 @@ class LocalCluster:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        # tasks go through SimpleQueues: their put pickles in the caller's thread, so a task
+        # that cannot be pickled raises in `run` at once (a Queue's feeder thread would print
+        # the error and the ranks would wait for a task that never comes)
+        self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
         try:
@@ -314,5 +317,12 @@ class LocalCluster:
             self.close()
             self.start()
         for q in self._tasks:
-            q.put((fn, args))
+            try:
+                q.put((fn, args))
+            except Exception as e:  # pickling: nothing was sent (it fails alike for every rank)
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise TypeError(
+                    f"cannot send {name} to the ranks: {type(e).__name__}: {e}; pass a "
+                    "module-level function and picklable arguments"
+                ) from e
         return self._collect(timeout_s or self.timeout_s, f"running {fn.__name__}")
