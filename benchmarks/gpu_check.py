@@ -41,7 +41,7 @@ Time budget (`estimate_s`, `--estimate`): a part's seconds are its FLOPs over pu
 predicted ratio rescales its later predictions, so the 1M-token rows are sized from the
 128K ones.
 
-`--dry-run`: every part's code on the CPU at tiny sizes, in 15-30 s: the CUDA-only aten ops
+`--dry-run`: every part's code on the CPU at tiny sizes, in seconds: the CUDA-only aten ops
 through the test suite's CPU emulations of their contracts (tests/cuda_emulation.py,
 cudnn_emulation.py, varlen_emulation.py, flash_impl_emulation.py with its stand-in FA3/FA4
 packages; fp32 math on full score matrices), gloo for NCCL, host timers for CUDA events, the
@@ -196,9 +196,8 @@ def estimate_s(sizes: dict, kernels=("flash", "cudnn", "efficient"), auto="cudnn
     n_exact = sum(4 * (3 if k == "efficient" else 2) for k in kernels)  # dtypes x causal x G
     n_strategies = 2 * 7 * (len(kernels) + 1)  # (dense, docs) x strategies x (bf16..., fp32)
     sk, sl, sb = sizes["kernels"], sizes["layer"], sizes["block"]
-    d = sl["model"].head_dim
     kernel_runs = [
-        (1 + n) * attention_s(k, S, h, d) for k in kernels for S, h, _, n in sk["shapes"]
+        (1 + n) * attention_s(k, S, h, sk["d"]) for k in kernels for S, h, _, n in sk["shapes"]
     ]
     return {
         "startup": STARTUP_S,
@@ -266,16 +265,17 @@ class Run:
         """Record `case` with fn()'s results; skipped (with why) if `need_s` seconds no longer
         fit in the part's box; with the error if fn raises (after an out-of-memory the
         allocator's cache is emptied for the next row). Torch's FA2 is restored after."""
-        skipped = skipped or self.budget.skip(need_s)
+        skipped, oom = skipped or self.budget.skip(need_s), False
         if skipped:
             r = {**case, "skipped": skipped}
         else:
             try:
                 r = {**case, **fn()}
             except Exception as e:
-                if isinstance(e, torch.cuda.OutOfMemoryError):
-                    torch.cuda.empty_cache()
+                oom = isinstance(e, torch.cuda.OutOfMemoryError)
                 r = {**case, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+        if oom:  # (once the exception and the frames holding its tensors are gone)
+            torch.cuda.empty_cache()
         restore_impl()
         with self.lock:
             self.doc["parts"][self.part]["rows"].append(r)
@@ -431,8 +431,11 @@ def part_exact(run: Run) -> None:
                 for dtype in (torch.float32, *half) if kernel == "efficient" else half:
                     case = dict(kernel=kernel, dtype=str(dtype)[6:], causal=causal, H=s["H"], G=G)
                     qkvo = [t.to(dtype) for t in inputs]
-                    got = lambda: kernel_fwd_bwd(kernel, *qkvo, causal=causal)  # noqa: B023
-                    run.add(case, lambda: judge(got(), truth, tols(dtype)))  # noqa: B023
+                    run.add(case, functools.partial(_exact_case, kernel, qkvo, causal, truth))
+
+
+def _exact_case(kernel, qkvo, causal, truth):
+    return judge(kernel_fwd_bwd(kernel, *qkvo, causal=causal), truth, tols(qkvo[0].dtype))
 
 
 # --- 2. strategies on one rank -----------------------------------------------------------------
