@@ -100,6 +100,7 @@ def _feature_error(name, group):
         "keep_all": dict(activation_checkpoint=True, offload=True, keep_on_gpu=2),
         "segments_alone": dict(blocks_per_checkpoint=2),
         "tile": dict(tiled_mlp=True, mlp_tile=0),
+        "backend": dict(backend="nope"),
     }
     if name in at_apply:
         apply_context_parallel(model, group=group, **at_apply[name])

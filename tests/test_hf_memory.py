@@ -100,6 +100,7 @@ ERRORS = {
     "keep_all": "keep_on_gpu=2 keeps all 2 checkpoints (2 layers / 1 per checkpoint) on the GPU",
     "segments_alone": "blocks_per_checkpoint=2 needs activation_checkpoint=True",
     "tile": "mlp_tile must be >= 1, got 0",
+    "backend": "unknown attention backend 'nope'",
     "head_not_linear": "lm_head as a torch.nn.Linear, got Sequential: use chunked_loss=False",
     "twice": "upipe's memory features were already applied to this model",
     "return_dict": "return_dict=False with chunked_loss=True",

@@ -79,7 +79,7 @@ class HFContextParallelAttention(ContextParallelAttention):
     model call by the hook that `apply_context_parallel` puts on the decoder stack.
     """
 
-    def __init__(self, hf_attn, config, *, group, mesh, strategy, heads_per_stage, state):
+    def __init__(self, hf_attn, config, *, group, mesh, strategy, heads_per_stage, backend, state):
         q_norm = getattr(hf_attn, "q_norm", None)
         super().__init__(
             config.hidden_size,
@@ -91,6 +91,7 @@ class HFContextParallelAttention(ContextParallelAttention):
             layout="contiguous",
             strategy=strategy,
             heads_per_stage=heads_per_stage,
+            backend=backend,
             norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
             device="meta",  # placeholders, replaced by the model's own modules below
         )
@@ -307,6 +308,7 @@ def apply_context_parallel(
     mesh=None,
     strategy="upipe",
     heads_per_stage=None,
+    backend=None,
     tiled_mlp=False,
     mlp_tile=1024,
     chunked_loss=False,
@@ -322,6 +324,8 @@ def apply_context_parallel(
     `Qwen3ForCausalLM` (QK-norm). Exactly one of `group` (1-D) or `mesh` (2-D, ring x
     ulysses, `upipe.make_mesh`). `strategy`: "upipe" (the fused staged op; `heads_per_stage`
     as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only).
+    `backend`: the local attention kernel (`upipe.kernels.BACKENDS`; None: "auto", by device,
+    dtype and head dim, as in `ContextParallelAttention`).
     Each rank then holds a contiguous block of the sequence (`shard_batch`), calls the model
     with `position_ids`, and computes the loss with `causal_lm_loss` -- or lets the model do
     it: `model(..., labels=l, shift_labels=l)` with `l` shard_batch's (already shifted)
@@ -374,6 +378,7 @@ def apply_context_parallel(
             mesh=mesh,
             strategy=strategy,
             heads_per_stage=heads_per_stage,
+            backend=backend,
             state=state,
         )
     _use_upipe_attention(model)
