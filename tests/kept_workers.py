@@ -1,0 +1,88 @@
+"""Per-rank functions for tests/test_attention_outputs.py (module-level: spawned ranks import
+them): training steps of one configuration under each `--attention-outputs` mode, with the
+attention kernel calls of the first step counted."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from upipe.model import get_config
+from upipe.train import Trainer
+from upipe.train.parallelize import make_offloader
+
+FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class KernelCalls(TorchDispatchMode):
+    """Counts the CPU attention kernel's forward and backward calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.forward += func is FWD
+        self.backward += func is BWD
+        return func(*args, **(kwargs or {}))
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _run(cfg, n_layers, host_offload, steps):
+    model_config = dataclasses.replace(get_config(cfg.model), n_layers=n_layers)
+    trainer = Trainer(cfg, torch.device("cpu"), model_config=model_config)
+    if host_offload:  # what `upipe train` does on CUDA: an arena on the host
+        trainer.model.offload = make_offloader(n_layers, cfg.features())
+    calls, losses, grads = KernelCalls(), [], []
+    for step in range(steps):
+        with calls if step == 0 else contextlib.nullcontext():
+            losses.append(trainer.forward_backward(step))
+        grads.append(
+            {n: _full(p.grad).detach().clone() for n, p in trainer.master.named_parameters()}
+        )
+        trainer.optimizer_step()
+    off = trainer.model.offload
+    arenas = [] if off is None else [a.arena.nbytes for a in off._outputs]
+    return {
+        "losses": losses,
+        "grads": grads,
+        "kernel_calls": (calls.forward, calls.backward),
+        "output_arena_bytes": arenas,
+    }
+
+
+def modes(rank, world_size, cfg, runs, n_layers=2, steps=2):
+    """`runs`: {name: (TrainConfig overrides, offload to a host arena)}; each trains `steps`
+    steps of `cfg` with them, from the same seed. Returns {name: results} (rank's own)."""
+    out = {}
+    for name, (kw, host_offload) in runs.items():
+        out[name] = _run(dataclasses.replace(cfg, **kw), n_layers, host_offload, steps)
+        dist.barrier()
+    return out
+
+
+def forward_live_bytes(rank, world_size, cfg, modes_kw, n_layers=2):
+    """{mode: bytes live after the loss's forward (graph and kept tensors), before its
+    backward}, on this rank, for each of `modes_kw` ({name: TrainConfig overrides}); one
+    sequence without document masking."""
+    from upipe.memory import MemoryTracker
+
+    out = {}
+    for name, kw in modes_kw.items():
+        c = dataclasses.replace(cfg, **kw)
+        model_config = dataclasses.replace(get_config(c.model), n_layers=n_layers)
+        trainer = Trainer(c, torch.device("cpu"), model_config=model_config)
+        ((ids, labels, pos, _),) = trainer.batch(0)
+        with MemoryTracker() as mem:
+            loss = trainer.model(ids, pos, labels)
+            out[name] = mem.current_bytes
+        loss.backward()
+    return out
