@@ -59,7 +59,7 @@ def _run(cfg, n_layers, host_offload, steps):
     }
 
 
-def modes(rank, world_size, cfg, runs, n_layers=2, steps=2):
+def modes(rank, world_size, cfg, runs, n_layers=2, steps=1):
     """`runs`: {name: (TrainConfig overrides, offload to a host arena)}; each trains `steps`
     steps of `cfg` with them, from the same seed. Returns {name: results} (rank's own)."""
     out = {}
@@ -86,3 +86,75 @@ def forward_live_bytes(rank, world_size, cfg, modes_kw, n_layers=2):
             out[name] = mem.current_bytes
         loss.backward()
     return out
+
+
+def _layer_and_input(strategy="upipe", seed=0):
+    """A ContextParallelAttention over the world (H = 4, G = 2, d = 8) and this rank's
+    input x (requiring grad) and positions, from `seed`."""
+    import upipe
+
+    group = dist.group.WORLD
+    torch.manual_seed(seed)
+    layer = upipe.ContextParallelAttention(32, 4, 2, group=group, strategy=strategy)
+    layout = layer.layout
+    x = torch.randn(2, 16 * dist.get_world_size(), 32)
+    pos = torch.arange(x.shape[1]).expand(2, -1)
+    xs = upipe.shard_sequence(x, group=group, layout=layout).requires_grad_()
+    return layer, xs, upipe.shard_sequence(pos, group=group, layout=layout)
+
+
+def misuse(rank, world_size):
+    """{case: the RuntimeError message} of checkpointed functions that do not make the same
+    attention calls in their recomputation, or write into a kept output."""
+    import upipe
+    from upipe.model.features import activation_checkpoint
+
+    layer, x, pos = _layer_and_input()
+    runs = []
+
+    def more_calls(x, pos):  # one call in forward, two when recomputed
+        runs.append(1)
+        y = layer(x, pos)
+        return y + layer(x, pos) if len(runs) > 1 else y
+
+    def other_shape(x, pos):  # the recomputation attends over half the batch
+        runs.append(1)
+        return layer(x[:1], pos[:1]) if len(runs) > 1 else layer(x, pos)
+
+    def writes_into(x, pos):  # the ring op returns the tensor it keeps
+        out = upipe.ring_attention(*(x.view(*x.shape[:2], 4, 8),) * 3, group=dist.group.WORLD)
+        return out.mul_(2).flatten(2)
+
+    out = {}
+    for name, fn in (("more", more_calls), ("shape", other_shape), ("in place", writes_into)):
+        runs.clear()
+        try:
+            activation_checkpoint(fn, x, pos, attention_outputs="keep").sum().backward()
+        except RuntimeError as e:
+            out[name] = str(e)
+    return out
+
+
+def nested(rank, world_size, strategy):
+    """A checkpointed function that checkpoints its attention again, both keeping: the
+    gradients of x and the weights are `recompute`'s bit for bit; kernel forward calls."""
+    from upipe.model.features import activation_checkpoint
+
+    results = {}
+    for mode in ("recompute", "keep"):
+        layer, x, pos = _layer_and_input(strategy)
+
+        def inner(h, pos, layer=layer):
+            return h + layer(h, pos)
+
+        def outer(h, pos, mode=mode, inner=inner):
+            h = activation_checkpoint(inner, h * 1.5, pos, attention_outputs=mode)
+            return torch.tanh(h)
+
+        calls = KernelCalls()
+        with calls:
+            activation_checkpoint(outer, x, pos, attention_outputs=mode).square().sum().backward()
+        grads = [x.grad] + [p.grad for p in layer.parameters()]
+        results[mode] = (grads, calls.forward)
+    (ref, n_ref), (got, n_got) = results["recompute"], results["keep"]
+    return all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), n_ref, n_got
