@@ -335,3 +335,41 @@ def test_planner_counts_the_kept_outputs():
     assert off.host_peak_bytes - rec.host_peak_bytes == 4 * per_layer
     assert off.peak_bytes == rec.peak_bytes and keep.host_peak_bytes == rec.host_peak_bytes
     assert rec.peak_bytes < keep.peak_bytes <= rec.peak_bytes + 4 * per_layer
+
+
+def test_feature_tokens_and_recommend():
+    """`keep` and `aoff` in --features (upipe plan's grammar); `--recommend` picks kept
+    attention outputs when they fit -- the step without the recomputed attention forward is
+    the faster -- and the recomputation when only that fits."""
+    from upipe.model import get_config
+    from upipe.planner.plan import PlanConfig, candidates, feature_set
+    from upipe.planner.recommend import GRID, RecommendConfig, recommend
+
+    assert feature_set("on+keep")["attention_outputs"] == "keep"
+    assert feature_set("on+aoff")["attention_outputs"] == "offload"
+    assert "attention_outputs" not in feature_set("on")
+    assert {"on+keep", "on+aoff", "on+fsdp-offload+aoff"} <= set(GRID)
+    pc = PlanConfig(model="tiny", gpus=2, strategies=("ulysses", "none"), jobs=1)
+    pc = dataclasses.replace(pc, features=("recompute+keep", "keep", "recompute+aoff"))
+    rows = {label: problem for label, _, problem in candidates(pc, get_config("tiny"))}
+    assert rows["ulysses +recompute+keep"] is None
+    assert "add --activation-checkpoint" in rows["ulysses +keep"]
+    assert "add --offload" in rows["ulysses +recompute+aoff"]
+    assert "--strategy none runs the model's own attention" in rows["none +recompute+keep"]
+    with pytest.raises(ValueError, match="unknown 'kept'"):
+        feature_set("on+kept")
+
+    pc = dataclasses.replace(
+        pc, strategies=("ulysses",), features=("recompute", "recompute+keep"), granularity=64,
+        reserve_gib=0, gpu_memory_gib=1,
+    )  # fmt: skip
+    rc = RecommendConfig(recommend=True, seq_len=8192)
+    roomy = recommend(pc, rc)
+    assert roomy["pick"] == roomy["fastest"] == "ulysses +recompute+keep"
+    row = {r["strategy"]: r for r in roomy["candidates"]}
+    kept, again = row["ulysses +recompute+keep"], row["ulysses +recompute"]
+    assert kept["seconds"]["attention"] < again["seconds"]["attention"]
+    assert "--attention-outputs keep" in roomy["command"]
+    between = (kept["peak_bytes"] + again["peak_bytes"]) / 2 / 2**30
+    tight = recommend(dataclasses.replace(pc, gpu_memory_gib=between), rc)
+    assert tight["pick"] == "ulysses +recompute"  # (keep holds one layer's more at its peak)
