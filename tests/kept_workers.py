@@ -88,16 +88,18 @@ def forward_live_bytes(rank, world_size, cfg, modes_kw, n_layers=2):
     return out
 
 
-def _layer_and_input(strategy="upipe", seed=0):
-    """A ContextParallelAttention over the world (H = 4, G = 2, d = 8) and this rank's
-    input x (requiring grad) and positions, from `seed`."""
+def _layer_and_input(strategy="upipe", seed=0, dtype=torch.float32, **kw):
+    """A ContextParallelAttention over the world (H = 4, G = 2, d = 8; `kw` its options) and
+    this rank's input x (requiring grad) and positions, from `seed`."""
     import upipe
 
     group = dist.group.WORLD
     torch.manual_seed(seed)
-    layer = upipe.ContextParallelAttention(32, 4, 2, group=group, strategy=strategy)
+    layer = upipe.ContextParallelAttention(
+        32, 4, 2, group=group, strategy=strategy, dtype=dtype, **kw
+    )
     layout = layer.layout
-    x = torch.randn(2, 16 * dist.get_world_size(), 32)
+    x = torch.randn(2, 16 * dist.get_world_size(), 32, dtype=dtype)
     pos = torch.arange(x.shape[1]).expand(2, -1)
     xs = upipe.shard_sequence(x, group=group, layout=layout).requires_grad_()
     return layer, xs, upipe.shard_sequence(pos, group=group, layout=layout)
@@ -158,3 +160,44 @@ def nested(rank, world_size, strategy):
         results[mode] = (grads, calls.forward)
     (ref, n_ref), (got, n_got) = results["recompute"], results["keep"]
     return all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), n_ref, n_got
+
+
+def cuda_path(rank, world_size, strategy, dtype):
+    """`backend="cuda"` under the emulation of the CUDA-only ops (tests/cuda_emulation.py),
+    a checkpointed layer: (keep's gradients are recompute's bit for bit, forward kernel
+    calls of recompute, of keep)."""
+    import cuda_emulation
+
+    from upipe.model.features import activation_checkpoint
+
+    cuda_emulation.install()
+    results = {}
+    for mode in ("recompute", "keep"):
+        layer, x, pos = _layer_and_input(strategy, dtype=dtype, backend="cuda")
+        calls = _CudaKernelCalls()
+        with calls:
+            y = activation_checkpoint(
+                lambda h, pos, layer=layer: torch.tanh(layer(h, pos)), x, pos,
+                attention_outputs=mode,
+            )  # fmt: skip
+            y.float().square().sum().backward()
+        results[mode] = ([x.grad] + [p.grad for p in layer.parameters()], calls.forward)
+    (ref, n_ref), (got, n_got) = results["recompute"], results["keep"]
+    return all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), n_ref, n_got
+
+
+class _CudaKernelCalls(TorchDispatchMode):
+    """Counts the forward calls of CUDA's SDPA kernels (flash, memory-efficient)."""
+
+    FORWARD = (
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.forward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.forward += func in self.FORWARD
+        return func(*args, **(kwargs or {}))

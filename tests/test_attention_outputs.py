@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from kept_workers import forward_live_bytes, misuse, modes, nested
+from kept_workers import cuda_path, forward_live_bytes, misuse, modes, nested
 from train_workers import small_config
 
 from upipe.train.config import validate
@@ -373,3 +373,15 @@ def test_feature_tokens_and_recommend():
     between = (kept["peak_bytes"] + again["peak_bytes"]) / 2 / 2**30
     tight = recommend(dataclasses.replace(pc, gpu_memory_gib=between), rc)
     assert tight["pick"] == "ulysses +recompute"  # (keep holds one layer's more at its peak)
+
+
+@pytest.mark.parametrize(
+    "strategy,dtype",
+    [("upipe", torch.bfloat16), ("ulysses", torch.float32), ("ring", torch.bfloat16)],
+)
+def test_cuda_path(clusters, strategy, dtype):
+    """The CUDA kernels' path (`backend="cuda"`, emulated on CPU: flash for bf16, the
+    memory-efficient kernel for fp32): keep is recompute bit for bit, with half the forward
+    kernel calls."""
+    for same, n_recompute, n_keep in clusters(2).run(cuda_path, strategy, dtype):
+        assert same and n_keep > 0 and 2 * n_keep == n_recompute
