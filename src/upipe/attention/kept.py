@@ -107,13 +107,6 @@ class KeptOutputs:
         self.host = host
         self._entries: dict[tuple[int, int], _Entry] = {}
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def device_tensors(self) -> list[torch.Tensor]:
-        """The tensors kept on the device (none with a host)."""
-        return [t for e in self._entries.values() for t in e.tensors or ()]
-
     @contextlib.contextmanager
     def recording(self, j: int):
         """Function j's forward: its attention calls keep their outputs here."""
