@@ -15,6 +15,8 @@ b_q/b_k/b_v: the optional projection biases, as in Qwen2, with the heads' rows t
                                                         summed in fp32: `_o_proj`)
 so full-head q/k/v never exist and o_proj needs no full-width input. Saved: x, the weights,
 cos/sin, each stage's out_BLUd (needed for dW_o and the kernel's backward) and lse.
+Recomputed inside an activation checkpoint that keeps attention outputs (`kept.py`), the
+forward is only the sum into y, from the stage outputs and lse the first forward kept.
 On a 2-D mesh `group` is the ulysses group, S becomes the ring rank's P = C * L tokens and
 `attention` is ring attention over the ring group (stage.py).
 
@@ -43,6 +45,7 @@ import functools
 
 import torch
 
+from upipe.attention import kept
 from upipe.attention.common import save_for_backward, saved_for_backward
 from upipe.attention.schedule import add_kv_, put_q
 from upipe.attention.stage import StageAttention
@@ -69,6 +72,11 @@ def _forward(layer: StagedLayer):
             stage_ids.append((rnd, s))
         del k_BSkd, v_BSkd
     return _o_proj(layer, out_slices, stage_ids), out_slices, lse_list
+
+
+def _stage_ids(plan: FusedPlan) -> list:
+    """(round, stage) of every stage, in the order `_forward` runs them."""
+    return [(rnd, s) for rnd in plan.rounds for s in range(len(rnd.stages))]
 
 
 def _o_proj(layer: StagedLayer, out_slices, stage_ids, row_chunks: int = 8):
@@ -233,9 +241,20 @@ class _FusedUPipe(torch.autograd.Function):
     of the call is one `FusedPlan`."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin, plan):
+    def forward(ctx, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin, plan, call):
         tensors = (x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin)
-        y, out_slices, lse_list = _forward(_layer(plan, *tensors))
+        layer = _layer(plan, *tensors)
+        reused = None if call is None else call.reused()
+        if reused is not None:  # a checkpoint's recomputation: the forward's stage outputs
+            n = len(reused) // 2
+            out_slices, lse_list = reused[:n], reused[n:]
+            del reused
+            y = _o_proj(layer, out_slices, _stage_ids(plan))
+        else:
+            y, out_slices, lse_list = _forward(layer)
+            if call is not None:  # a checkpoint's forward: kept for its recomputation
+                call.keep(out_slices + lse_list)
+        del call
         # backward frees the stage outputs and lse stage by stage
         save_for_backward(ctx, keep=tensors, free=out_slices + lse_list)
         ctx.plan = plan
@@ -249,7 +268,7 @@ class _FusedUPipe(torch.autograd.Function):
         del stashed
         layer = _layer(ctx.plan, *tensors)
         grads = _backward(dy.contiguous(), layer, out_slices, lse_list)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def _layer(plan, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin) -> StagedLayer:
@@ -303,7 +322,9 @@ def fused_upipe_attention(
     `default_overlap`). `docs`: validated document boundaries of the full sequence
     (`upipe.packing.check_cu_seqlens`; a tuple of ints) -- each stage's attention is then
     document-masked, forward and recomputed backward alike; None: one document.
-    Inputs are not validated here: `ContextParallelAttention` does that.
+    Inputs are not validated here: `ContextParallelAttention` does that. Inside an
+    activation checkpoint that keeps attention outputs, the forward keeps the stage outputs
+    and lse and the recomputation reuses them (`upipe.attention.kept`).
     """
     kernel = resolve_backend(backend, x.device, x.dtype, head_dim=head_dim)
     plan = FusedPlan(
@@ -316,6 +337,7 @@ def fused_upipe_attention(
         overlap=default_overlap(x, group) if overlap is None else bool(overlap),
         tensor_cores=uses_cuda_kernels(kernel),
     )
+    call = kept.claim("fused_upipe", x, wq, wk, wv, wo)
     return _FusedUPipe.apply(
-        x, wq, wk, wv, wo, q_norm, k_norm, q_bias, k_bias, v_bias, cos, sin, plan
+        x, wq, wk, wv, wo, q_norm, k_norm, q_bias, k_bias, v_bias, cos, sin, plan, call
     )

@@ -34,7 +34,9 @@ at -inf, so rows a call leaves out contribute nothing to the merge; in backward 
 dk/dv is added to the block's travelling accumulator.
 
 Saved for backward: q, k, v (inputs), out, lse. Heads are not split, so any H and G with
-G dividing H work (GQA/MQA without expanding K/V).
+G dividing H work (GQA/MQA without expanding K/V). Recomputed inside an activation
+checkpoint that keeps attention outputs (`kept.py`), the forward makes no ring pass: out
+and lse are the first forward's.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from upipe import loops
+from upipe.attention import kept
 from upipe.attention.common import (
     DocumentsArg,
     check_layout,
@@ -183,8 +186,15 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, layout, docs):
-        out, lse = _forward(q, k, v, group, causal, scale, backend, layout, docs)
+    def forward(ctx, q, k, v, group, causal, scale, backend, layout, docs, call):
+        reused = None if call is None else call.reused()
+        if reused is not None:  # a checkpoint's recomputation: the forward's out and lse
+            out, lse = reused
+        else:
+            out, lse = _forward(q, k, v, group, causal, scale, backend, layout, docs)
+            if call is not None:
+                call.keep([out, lse])
+        del call, reused
         save_for_backward(ctx, keep=(q, k, v, out), free=(lse,))
         ctx.args, ctx.docs = (group, causal, scale, backend, layout), docs
         return out
@@ -193,7 +203,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         keep, free = saved_for_backward(ctx)
         grads = _backward(dout.contiguous(), *keep, *free, *ctx.args, docs=ctx.docs)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
@@ -236,4 +246,4 @@ def ring_attention(
         extra_signature={"layout": layout, **docs.signature()},
     )
     args = (group, causal, softmax_scale, backend, layout, docs.bounds)
-    return _RingAttention.apply(q, k, v, *args)
+    return _RingAttention.apply(q, k, v, *args, kept.claim("ring", q, k, v))

@@ -18,7 +18,9 @@ ranks are summed in fp32. With C dividing H and G the even code runs, unchanged.
 
 Saved for backward: q_BShd, k_BSkd, v_BSkd, out_BShd, lse -- the full-head intermediates
 that UPipe (upipe.py) avoids keeping. Backward frees each buffer as soon as it is used (a
-lean baseline, so that comparisons with UPipe are fair).
+lean baseline, so that comparisons with UPipe are fair). Recomputed inside an activation
+checkpoint that keeps attention outputs (`kept.py`), the forward exchanges q, k, v and the
+output as above but takes out_BShd and lse from the first forward instead of the kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from upipe.attention import uneven
+from upipe.attention import kept, uneven
 from upipe.attention.common import (
     DocumentsArg,
     check_layout,
@@ -83,10 +85,12 @@ class _Exchanges:
         return acc_BLGd.to(t_BSkd.dtype)
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, ex, attn):
+def _forward(q_BLHd, k_BLGd, v_BLGd, ex, attn, reused=None):
+    """`reused`: [out_BShd, lse] of an earlier forward (a checkpoint's), in place of the
+    kernel's."""
     q_BShd = ex.q_to_head(q_BLHd)
     k_BSkd, v_BSkd = ex.kv_to_head(k_BLGd), ex.kv_to_head(v_BLGd)
-    out_BShd, lse_BhS = attn.forward(q_BShd, k_BSkd, v_BSkd)
+    out_BShd, lse_BhS = attn.forward(q_BShd, k_BSkd, v_BSkd) if reused is None else reused
     return ex.q_to_seq(out_BShd), [q_BShd, k_BSkd, v_BSkd, out_BShd, lse_BhS]
 
 
@@ -106,12 +110,18 @@ class UlyssesFunction(torch.autograd.Function):
     """Ulysses (the exchange `ex`, `upipe.comm.HeadExchange`) around any stage attention
     `attn` (stage.py): the local kernel here, ring attention over the ring group in USP.
     `split`: the uneven head split of this rank (`uneven.ulysses_split`), None when even;
-    `attn` must then be the split's `SegmentedAttention` (`split_attention`)."""
+    `attn` must then be the split's `SegmentedAttention` (`split_attention`). `call`: the
+    op's `kept.Call` inside an activation checkpoint (its forward keeps out_BShd and lse,
+    its recomputation reuses them), else None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ex, attn, split=None):
+    def forward(ctx, q, k, v, ex, attn, split=None, call=None):
         exs = _Exchanges(ex, split)
-        out, saved = _forward(q, k, v, exs, attn)
+        reused = None if call is None else call.reused()
+        out, saved = _forward(q, k, v, exs, attn, reused)
+        if call is not None and reused is None:
+            call.keep(saved[3:])  # out_BShd, lse
+        del call, reused
         save_for_backward(ctx, keep=(), free=saved)  # backward frees them one by one
         ctx.args = (exs, attn, k.shape[2])
         return out
@@ -119,7 +129,7 @@ class UlyssesFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         grads = _backward(dout.contiguous(), saved_for_backward(ctx)[1], *ctx.args)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
@@ -167,4 +177,4 @@ def ulysses_attention(
     ex = HeadExchange(group, layout)
     attn = StageAttention(causal, softmax_scale, backend, docs=docs.bounds)
     split, attn = split_attention(q.shape[2], k.shape[2], group, attn)
-    return UlyssesFunction.apply(q, k, v, ex, attn, split)
+    return UlyssesFunction.apply(q, k, v, ex, attn, split, kept.claim("ulysses", q, k, v))

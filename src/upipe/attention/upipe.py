@@ -21,7 +21,9 @@ or `uneven.UnevenRound`) say which heads, counts and attention each stage has.
 
 Live at a time: one round's kv buffers and one stage's buffers -- the head-proportional
 intermediates shrink by U / H against Ulysses. Saved for backward: only lse (q, k, v and
-out exist anyway). The fused module (fused.py) also folds the projections in.
+out exist anyway). The fused module (fused.py) also folds the projections in. Recomputed
+inside an activation checkpoint that keeps attention outputs (`kept.py`), the forward runs
+no stage at all: out and the lse are the first forward's.
 
 On a 2-D mesh (`mesh=`: R ring x C ulysses ranks, sequence in the mesh layout of
 `upipe.comm`) the all-to-alls run over the ulysses group and gather the ring rank's part of
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from upipe.attention import kept
 from upipe.attention.common import (
     DocumentsArg,
     check_layout,
@@ -138,8 +141,15 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
 
 class _UPipeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rounds, ex, attn):
-        out, lse_list = _forward(q, k, v, rounds, ex, attn)
+    def forward(ctx, q, k, v, rounds, ex, attn, call):
+        reused = None if call is None else call.reused()
+        if reused is not None:  # a checkpoint's recomputation: the forward's out and lse
+            out, lse_list = reused[0], reused[1:]
+        else:
+            out, lse_list = _forward(q, k, v, rounds, ex, attn)
+            if call is not None:
+                call.keep([out, *lse_list])
+        del call, reused
         ctx.save_for_backward(q, k, v, out)
         ctx.lse_list = lse_list
         ctx.args = (rounds, ex, attn)
@@ -149,7 +159,7 @@ class _UPipeAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
         grads = _backward(dout.contiguous(), q, k, v, out, ctx.lse_list, *ctx.args)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
@@ -222,4 +232,4 @@ def upipe_attention(
     else:  # the layout is the ring's; each ulysses group splits its part contiguously
         ex = HeadExchange(ulysses)
         attn = StageAttention(*kernel, ring_group, layout or "zigzag", docs=docs.bounds)
-    return _UPipeAttention.apply(q, k, v, rounds, ex, attn)
+    return _UPipeAttention.apply(q, k, v, rounds, ex, attn, kept.claim("upipe", q, k, v))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from upipe.attention import kept
 from upipe.attention.common import DocumentsArg, check_ring_layout, resolve_groups, validate_qkv
 from upipe.attention.stage import StageAttention
 from upipe.attention.ulysses import UlyssesFunction, split_attention
@@ -86,4 +87,5 @@ def usp_attention(
     )
     attn = StageAttention(causal, softmax_scale, backend, ring_group, layout, docs=docs.bounds)
     split, attn = split_attention(q.shape[2], k.shape[2], ulysses, attn)
-    return UlyssesFunction.apply(q, k, v, HeadExchange(ulysses), attn, split)
+    call = kept.claim("usp", q, k, v)
+    return UlyssesFunction.apply(q, k, v, HeadExchange(ulysses), attn, split, call)

@@ -74,7 +74,7 @@ OPTION_GROUPS = {
     "precision": ("dtype", "master_dtype"),
     "memory features": (
         "tiled_mlp", "mlp_tile", "chunked_loss", "loss_chunk", "activation_checkpoint",
-        "blocks_per_checkpoint", "offload", "keep_on_gpu",
+        "blocks_per_checkpoint", "offload", "keep_on_gpu", "attention_outputs",
     ),
     "evaluation": ("eval_every", "eval_batches", "eval_fraction"),
     "logging": ("metrics_file", "tensorboard", "plot"),
@@ -148,6 +148,8 @@ def run(cfg: TrainConfig) -> int:
         features = [n for n in names if getattr(cfg, n)]
         if cfg.activation_checkpoint and cfg.blocks_per_checkpoint > 1:
             features.append(f"blocks_per_checkpoint={cfg.blocks_per_checkpoint}")
+        if cfg.attention_outputs != "recompute":
+            features.append(f"attention_outputs={cfg.attention_outputs}")
         name = cfg.init_from_hf or cfg.model
         print(
             f"{name} ({m.num_params() / 1e6:.2f}M parameters), strategy {cfg.strategy}, "

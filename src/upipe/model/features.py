@@ -7,6 +7,12 @@ parameter gradients accumulate into `.grad` directly (as in `torch.utils.checkpo
 `use_reentrant=True`). The input must require grad for backward to run; it always does
 inside a model (it derives from the embedding weights).
 
+A checkpoint's recomputation need not call the attention kernels again: with
+`attention_outputs="keep"` the forward keeps each attention op's outputs and lse (what its
+backward needs) and the recomputation reuses them (`upipe.attention.kept`: the hand-off,
+what each op keeps, the memory it costs); "offload" keeps them in the offloader's host
+memory beside the checkpoint's input. The results are the same bit for bit.
+
 Legend: B batch, L local sequence, D width, T tile tokens.
 """
 
@@ -18,6 +24,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from upipe import loops
+from upipe.attention import kept
 from upipe.model.offload import Offloader
 from upipe.torch_private import selective_saved_tensor_hooks
 
@@ -97,6 +104,10 @@ def tiled_recompute(fn, x_BLD: torch.Tensor, tile_tokens: int, *, residual: bool
     return _TiledRecompute.apply(x_BLD, fn, tile_tokens, residual)
 
 
+ATTENTION_OUTPUTS = ("recompute", "keep", "offload")
+"""What a checkpoint's recomputation does about its attention calls (`activation_checkpoint`)."""
+
+
 class _Checkpoint(torch.autograd.Function):
     """y = f_m(... f_1(x, *args) ..., *args) for the segment `fns` = (f_1, ..., f_m), keeping
     only x (in the offloader's host slot `index` if given).
@@ -108,17 +119,28 @@ class _Checkpoint(torch.autograd.Function):
     back-propagates the gradient through it. Only one f_j's graph exists at a time, so a
     segment of m blocks holds m - 1 block inputs more than one block does (none with
     offload) and runs the forwards of f_1, ..., f_{m-1} once more.
+
+    `outputs` ("keep", "offload": `activation_checkpoint`): the forward's attention outputs
+    (`kept.KeptOutputs`, on the device or beside x in the offloader) serve every
+    recomputation -- the inputs' pass reads those of f_1, ..., f_{m-1}, f_j's recomputation
+    with grad takes f_j's -- so no attention kernel runs in backward but the backward's own.
     """
 
     @staticmethod
-    def forward(ctx, x_BLD, fns, offload, index, *args):
+    def forward(ctx, x_BLD, fns, offload, index, outputs, *args):
         ctx.fns, ctx.args, ctx.offload, ctx.index = fns, args, offload, index
         if offload is None:
             ctx.save_for_backward(x_BLD)
         else:
             ctx.device, ctx.token = x_BLD.device, offload.save(x_BLD, index)
-        for fn in fns:
-            x_BLD = fn(x_BLD, *args)
+        ctx.kept = None  # inside another checkpoint's pass its calls are that one's (kept.py)
+        if outputs != "recompute" and not kept.active():
+            to_host = outputs == "offload" and offload is not None
+            host = offload.outputs(ctx.token, index, x_BLD.device) if to_host else None
+            ctx.kept = kept.KeptOutputs(host)
+        for j, fn in enumerate(fns):
+            with _pass(ctx.kept, j):
+                x_BLD = fn(x_BLD, *args)
         return x_BLD
 
     @staticmethod
@@ -134,7 +156,8 @@ class _Checkpoint(torch.autograd.Function):
             with torch.no_grad():
                 x_BLD = loads[0]()
                 for j, fn in enumerate(ctx.fns[:-1]):
-                    x_BLD = fn(x_BLD, *args)
+                    with _pass(ctx.kept, j, take=False):
+                        x_BLD = fn(x_BLD, *args)
                     if offload is None:
                         loads.append(lambda x_BLD=x_BLD: x_BLD)
                         continue
@@ -146,8 +169,10 @@ class _Checkpoint(torch.autograd.Function):
         # dx is copied into it (if dy is ours to write, see `_TiledRecompute`), so the
         # segment's backward holds one [B, L, D] gradient, as a single block's does
         held = dy_BLD if dy_BLD._base is None and dy_BLD.is_contiguous() else None
+        from_host = offload is not None
         for j in reversed(range(len(ctx.fns))):  # (each input let go once its block is done)
-            dy_BLD = _recompute_backward(ctx.fns[j], args, loads.pop(), dy_BLD, offload is not None)
+            replay = _pass(ctx.kept, j, take=True)
+            dy_BLD = _recompute_backward(ctx.fns[j], args, loads.pop(), dy_BLD, from_host, replay)
             if dy_BLD is None:  # y did not depend on x: the earlier blocks get no gradient
                 break
             if (
@@ -156,23 +181,40 @@ class _Checkpoint(torch.autograd.Function):
                 and dy_BLD.untyped_storage()._cdata != held.untyped_storage()._cdata
             ):
                 dy_BLD = held.copy_(dy_BLD)
+        if ctx.kept is not None:
+            ctx.kept.release()  # (what a function left untaken: none when it ran through)
         if offload is not None:
             for token, index in slots:
                 offload.release(token, index)
-        return (dy_BLD, None, None, None) + (None,) * len(args)
+        return (dy_BLD, None, None, None, None) + (None,) * len(args)
 
 
-def _recompute_backward(fn, args, load, dy_BLD, from_host: bool):
+def _pass(outputs: kept.KeptOutputs | None, j: int, *, take: bool | None = None):
+    """Function j's pass over `outputs` (module `upipe.attention.kept`): its forward
+    (`take` None) records them, a recomputation replays them (`take`: and removes them, for
+    the backward that follows); without kept outputs, nothing."""
+    if outputs is None:
+        return contextlib.nullcontext()
+    if take is None:
+        return outputs.recording(j)
+    return outputs.replaying(j, take=take)
+
+
+def _recompute_backward(fn, args, load, dy_BLD, from_host: bool, replay=None):
     """Recompute y = fn(x, *args) on x = `load()`, back-propagate `dy` through it, and return
     dx (None when y does not depend on x). x enters the recomputed graph as a non-leaf
     (`_Input`), so the graph holds it only where it saves it; `from_host`: the hooks keep
     those as promises of `load()`, so the device copy is freed as soon as the recomputation
-    is done with it."""
+    is done with it. `replay`: the context the recomputation runs in (the kept attention
+    outputs' pass, `_pass`)."""
     sink = []  # x's gradient
     anchor = torch.empty(0, requires_grad=True)
     with torch.enable_grad():
         x_BLD = _Input.apply(anchor, load(), sink)
-        with _from_host(x_BLD, load) if from_host else contextlib.nullcontext():
+        with (
+            _from_host(x_BLD, load) if from_host else contextlib.nullcontext(),
+            replay or contextlib.nullcontext(),
+        ):
             y_BLD = fn(x_BLD, *args)
         del x_BLD
     y_edge = get_gradient_edge(y_BLD)
@@ -226,7 +268,12 @@ def _geometry(t: torch.Tensor) -> tuple:
 
 
 def activation_checkpoint(
-    fns, x_BLD: torch.Tensor, *args, offload: Offloader | None = None, index: int | None = None
+    fns,
+    x_BLD: torch.Tensor,
+    *args,
+    offload: Offloader | None = None,
+    index: int | None = None,
+    attention_outputs: str = "recompute",
 ) -> torch.Tensor:
     """`fn(x, *args)` -- or, for a sequence `fns` = (f_1, ..., f_m), the segment
     f_m(... f_1(x, *args) ..., *args) -- saving only x for backward (recomputing the rest
@@ -236,10 +283,24 @@ def activation_checkpoint(
     backward, in slot `index` (the segment's position in forward order; the inputs a
     segment recomputes in backward go to its scratch slots); None keeps x where it is.
     `args` are not differentiated (positions and the like).
+
+    `attention_outputs` (`ATTENTION_OUTPUTS`): what the recomputation does about the upipe
+    attention ops the functions call (a `ContextParallelAttention`, any strategy, or the
+    functional ops): "recompute" calls their kernels again; "keep" reuses the outputs and
+    lse the forward made, kept on the device from each call's forward to its backward;
+    "offload" keeps them in `offload`'s host memory beside x instead (on the device for a
+    checkpoint without `offload`). Bit-identical results, one attention forward less per
+    layer and step; the cost per attention layer (formula in `upipe.attention.kept`) is one
+    `[B, L, H*d]` tensor plus an fp32 lse of B * L * H elements. The functions must make
+    the same attention calls each time they run (checked).
     """
     fns = tuple(fns) if isinstance(fns, (list, tuple)) else (fns,)
     if not fns:
         raise ValueError("activation_checkpoint needs at least one function")
+    if attention_outputs not in ATTENTION_OUTPUTS:
+        raise ValueError(
+            f"attention_outputs must be one of {ATTENTION_OUTPUTS}, got {attention_outputs!r}"
+        )
     if offload is not None:
         if not (isinstance(offload, Offloader) and isinstance(index, int)):
             raise ValueError(
@@ -256,4 +317,4 @@ def activation_checkpoint(
         for fn in fns:
             x_BLD = fn(x_BLD, *args)
         return x_BLD
-    return _Checkpoint.apply(x_BLD, fns, offload, index, *args)
+    return _Checkpoint.apply(x_BLD, fns, offload, index, attention_outputs, *args)

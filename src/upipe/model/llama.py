@@ -12,7 +12,7 @@ whole sequence or on one rank's shard of it.
 
 Memory features (settable attributes, off by default, none changes the math):
 `CausalLM.recompute_blocks` (blocks per checkpoint; + `offload`, an
-`upipe.model.offload.Offloader`), `MLP.tile_tokens`,
+`upipe.model.offload.Offloader`, and `attention_outputs`), `MLP.tile_tokens`,
 `CausalLM.loss_chunk_tokens`.
 """
 
@@ -149,6 +149,10 @@ class CausalLM(nn.Module):
         self.offload: Offloader | None = None
         """Keeps the inputs of the first `offload.n_inputs` checkpoints in host memory (the
         others stay on the device)."""
+        self.attention_outputs: str = "recompute"
+        """With checkpointing: "keep" (or "offload": beside the offloaded inputs) reuses each
+        attention layer's forward outputs in its recomputation, which then runs no attention
+        kernel (`features.activation_checkpoint`); "recompute" calls it again."""
         self.loss_chunk_tokens: int | None = None
 
     @torch.no_grad()
@@ -195,7 +199,12 @@ class CausalLM(nn.Module):
                 self.offload if self.offload is not None and j < self.offload.n_inputs else None
             )
             h_BLD = activation_checkpoint(
-                blocks[start : start + m], h_BLD, *args, offload=offload, index=j
+                blocks[start : start + m],
+                h_BLD,
+                *args,
+                offload=offload,
+                index=j,
+                attention_outputs=self.attention_outputs,
             )
         return norm(h_BLD)
 

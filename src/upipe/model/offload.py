@@ -73,14 +73,35 @@ CUDA tensor and page-locked host memory is a `cudaMemcpyAsync` on the current st
 of host memory it did not allocate, so the arena outlives every copy: it is released only
 after `stream.synchronize()`.
 
-Legend: B batch, L local sequence, D width.
+Attention outputs (`attention_outputs="offload"`, `upipe.attention.kept`): the outputs and
+lse each attention call of a checkpoint keeps for the recomputation go to host memory beside
+the checkpoint's input (`save_outputs`, during the forward, right after the call) and come
+back when the call is recomputed in backward (`load_outputs`; a segment's inner calls once
+more, for the pass that recomputes the inner inputs). They belong to the input's token, so
+`release` frees them with it, and a later forward overwriting them makes the load raise.
+The n-th call of every checkpoint has an arena of its own: n_inputs slots of that call's
+tensors (their shapes, strides and dtypes, each tensor at a multiple of `ALIGN` bytes),
+allocated exactly, page-locked and reused as the inputs' arena (a new one when the call's
+tensors change). For m blocks per checkpoint with one attention call each:
+
+    host bytes = n_inputs * m * sum over the call's tensors of ceil(nbytes / ALIGN) * ALIGN
+               = n_inputs * m * (B * L * H * d * element_size + 4 * B * L * H)   (aligned)
+
+and each comes back with the same on-demand copy as the input, B * L * H * d * element_size
+bytes per layer more (Llama3-8B, C = 8, 1M tokens, H * d = D: the input's 1 GiB again).
+
+Legend: B batch, L local sequence, D width, H query heads, d head dim.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
+
+ALIGN = 64
+"""Bytes: each attention output kept in host memory starts at a multiple of this."""
 
 
 class Offloader:
@@ -109,6 +130,7 @@ class Offloader:
         self._owner: list[object | None] = [None] * self.n_slots  # the token a slot holds
         self._stream = None  # CUDA side stream of the copies
         self._unpin = None  # unregisters the arena (CUDA)
+        self._outputs: list[_OutputArena] = []  # attention call n of each checkpoint: [n]
 
     def save(self, x_BLD: torch.Tensor, index: int) -> object:
         """Forward of checkpoint `index` (or a segment's backward, for a scratch slot): copy
@@ -137,9 +159,52 @@ class Offloader:
         return x_BLD
 
     def release(self, token: object, index: int) -> None:
-        """End of checkpoint `index`'s backward: its slot may be written again."""
+        """End of checkpoint `index`'s backward: its slot (and its attention outputs' slots)
+        may be written again."""
         if self._owner[index] is token:
             self._owner[index] = None
+        for arena in self._outputs:
+            if index < len(arena.owner) and arena.owner[index] is token:
+                arena.owner[index] = None
+
+    def outputs(self, token: object, index: int, device: torch.device) -> _HostOutputs:
+        """Where checkpoint `index`'s kept attention outputs go (`kept.KeptOutputs`'s host):
+        beside its input, which `save` gave `token`; they come back to `device`."""
+        if not 0 <= index < self.n_inputs:
+            raise ValueError(f"checkpoint index {index} out of range for {self.n_inputs} inputs")
+        return _HostOutputs(self, token, index, device)
+
+    def save_outputs(self, tensors, index: int, call: int, token: object) -> None:
+        """Forward of checkpoint `index`: copy what its attention call `call` keeps into slot
+        `index` of that call's arena, owned by `token` (the checkpoint input's)."""
+        if any(t.is_cuda for t in tensors) and self._stream is None:
+            self._stream = torch.cuda.Stream(tensors[0].device)
+        while len(self._outputs) <= call:
+            self._outputs.append(_OutputArena())
+        arena = self._outputs[call]
+        layout = _layout(tensors)
+        if arena.layout != layout:
+            arena.make(self, layout, self.n_inputs, self.host, self._stream)
+        for dst, src in zip(arena.views(index), tensors, strict=True):
+            _copy(dst, src, self._stream)
+        arena.owner[index] = token
+
+    def load_outputs(self, token: object, index: int, call: int, device) -> list[torch.Tensor]:
+        """Backward of checkpoint `index`: attention call `call`'s kept tensors on `device`
+        (their shapes and strides), ready on the current stream (new copies at each call)."""
+        arena = self._outputs[call] if call < len(self._outputs) else None
+        if arena is None or arena.owner[index] is not token:
+            raise RuntimeError(
+                f"the offloaded attention outputs of checkpoint {index} (call {call}) were "
+                "overwritten by a later forward (or by a checkpoint whose attention outputs "
+                "have other shapes); run each backward before the next forward"
+            )
+        event, out = None, []
+        for (shape, stride, dtype, _), src in zip(arena.layout[0], arena.views(index), strict=True):
+            out.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+            event = _copy(out[-1], src, self._stream)
+        _wait(event, device)
+        return out
 
     def _view(self, index: int) -> torch.Tensor:
         shape, _ = self._slot
@@ -156,6 +221,80 @@ class Offloader:
         self._slot = (like.shape, like.dtype)
         if self._stream is not None:
             self._unpin = _pin(self, self.arena, self._stream)
+
+
+class _HostOutputs:
+    """Checkpoint `index`'s attention outputs in `offloader`'s host memory, by the call's
+    position in the checkpoint (`save(call, tensors)`, `load(call)`): the host of
+    `upipe.attention.kept.KeptOutputs`."""
+
+    def __init__(self, offloader: Offloader, token: object, index: int, device):
+        self.offloader, self.token, self.index, self.device = offloader, token, index, device
+
+    def save(self, call: int, tensors) -> None:
+        self.offloader.save_outputs(tensors, self.index, call, self.token)
+
+    def load(self, call: int) -> list[torch.Tensor]:
+        return self.offloader.load_outputs(self.token, self.index, call, self.device)
+
+
+class _OutputArena:
+    """The host arena of one attention call's kept tensors: a slot per offloaded checkpoint,
+    each holding the tensors of `layout` (`_layout`), in one exact-size byte tensor."""
+
+    def __init__(self):
+        self.layout = None  # (((shape, stride, dtype, byte offset), ...), slot bytes)
+        self.arena: torch.Tensor | None = None
+        self.owner: list[object | None] = []
+        self._unpin = None
+
+    def make(self, offloader, layout, n_slots: int, host, stream) -> None:
+        """A new arena for `layout` (the old one freed first)."""
+        if self._unpin is not None:
+            self._unpin()
+        self.arena = self._unpin = None
+        self.arena = torch.empty(n_slots * layout[1], dtype=torch.uint8, device=host)
+        self.layout, self.owner = layout, [None] * n_slots
+        if stream is not None:
+            self._unpin = _pin(offloader, self.arena, stream)
+
+    def views(self, index: int) -> list[torch.Tensor]:
+        """Slot `index`'s tensors, viewed in the arena with their shapes and strides."""
+        tensors, slot = self.layout
+        out = []
+        for shape, stride, dtype, offset in tensors:
+            start = index * slot + offset
+            n = math.prod(shape) * dtype.itemsize
+            flat = self.arena[start : start + n].view(dtype)
+            out.append(flat.as_strided(shape, stride, flat.storage_offset()))
+        return out
+
+
+def _layout(tensors) -> tuple:
+    """Where each of `tensors` lies in an arena slot: (((shape, stride, dtype, byte offset),
+    ...), slot bytes). A tensor that fills its extent densely (any dimension order: the CPU
+    kernel's lse is a transposed one) keeps its strides, so it comes back as it was; any
+    other comes back contiguous."""
+    entries, offset = [], 0
+    for t in tensors:
+        entries.append((tuple(t.shape), _dense_strides(t), t.dtype, offset))
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return tuple(entries), offset
+
+
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """t's strides if its elements fill exactly t.numel() consecutive places, else the
+    contiguous strides of its shape."""
+    expected = 1
+    for i in sorted(range(t.dim()), key=lambda i: (t.stride(i), -t.size(i))):
+        if t.size(i) > 1 and t.stride(i) != expected:
+            contiguous, n = [], 1
+            for size in reversed(t.shape):
+                contiguous.insert(0, n)
+                n *= max(size, 1)
+            return tuple(contiguous)
+        expected *= t.size(i)
+    return t.stride()
 
 
 # The CUDA calls (stream, events, host registration); `stream` is None without CUDA.

@@ -36,6 +36,8 @@ GiB = 2**30
 EXTRAPOLATION_DEPTHS = (3, 4)
 GROWTH = 16  # the search's longest jump beyond a length known to fit
 FEATURES = ("mlp", "loss", "recompute", "offload")  # the memory features "on" turns on
+# --attention-outputs as feature tokens: kept on the GPU, or offloaded beside the inputs
+ATTENTION_TOKENS = {"keep": "keep", "aoff": "offload"}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,8 +83,9 @@ class PlanConfig:
     blocks and FSDP2's states in host memory): off, on (all four), or some of mlp (tiled MLP), loss
     (chunked loss), recompute (activation checkpointing), offload, on, ckpt<m> (m blocks per
     checkpoint), gpu<K> (the last K checkpoints' inputs stay on the GPU), fsdp-offload (FSDP2's
-    sharded parameters, gradients and optimizer states in host memory) joined by '+', e.g.
-    mlp+loss+recompute or on+ckpt2."""
+    sharded parameters, gradients and optimizer states in host memory), keep (the attention
+    outputs kept for the recomputation, on the GPU), aoff (kept in host memory beside the
+    offloaded inputs) joined by '+', e.g. mlp+loss+recompute, on+ckpt2 or on+aoff."""
     mlp_tile: int = 16384
     """Tokens per MLP tile (with features)."""
     loss_chunk: int = 8192
@@ -176,7 +179,9 @@ def feature_set(name: str, pc: PlanConfig | None = None) -> dict:
     """The TrainConfig fields of a --features entry: off, on (the four memory features), or
     names joined by '+': mlp, loss, recompute, offload, on, and ckpt<m> (m blocks per
     checkpoint; needs recompute), gpu<K> (the last K checkpoints' inputs kept on the GPU;
-    needs offload). `pc` gives the tile and chunk sizes (default: PlanConfig's)."""
+    needs offload), keep / aoff (`--attention-outputs keep` / `offload`: the recomputation
+    reuses the forward's attention outputs, kept on the GPU / beside the offloaded inputs;
+    need recompute / offload). `pc` gives the tile and chunk sizes (default: PlanConfig's)."""
     pc = pc or PlanConfig()
     kw = {"activation_checkpoint": False, "offload": False}
     if name == "off":
@@ -193,14 +198,16 @@ def feature_set(name: str, pc: PlanConfig | None = None) -> dict:
             kw["offload"] = True
         if token == "fsdp-offload":
             kw["fsdp_offload"] = True
+        if token in ATTENTION_TOKENS:
+            kw["attention_outputs"] = ATTENTION_TOKENS[token]
         if counted:
             field = "blocks_per_checkpoint" if counted[1] == "ckpt" else "keep_on_gpu"
             kw[field] = int(counted[2])
-        elif token not in ("on", "fsdp-offload", *FEATURES):
+        elif token not in ("on", "fsdp-offload", *FEATURES, *ATTENTION_TOKENS):
             raise ValueError(
                 f"--features {name!r}: unknown {token!r}; use off, on, or some of "
-                f"{', '.join(FEATURES)}, on, ckpt<m>, gpu<K>, fsdp-offload joined by '+' (e.g. "
-                "mlp+loss+recompute, on+ckpt2)"
+                f"{', '.join(FEATURES)}, on, ckpt<m>, gpu<K>, fsdp-offload, keep, aoff joined "
+                "by '+' (e.g. mlp+loss+recompute, on+ckpt2, on+aoff)"
             )
     return kw
 

@@ -29,10 +29,13 @@ from upipe.train.config import TrainConfig, padded_length, validate
 
 GiB = plan.GiB
 # memory feature sets tried by default (as --features): from none to all, each trading time
-# (recomputation, host copies) for memory
+# (recomputation, host copies) for memory; and the attention outputs kept for the
+# recomputation (one attention forward less per layer, for one [L, H*d] tensor per layer on
+# the GPU, or on the host beside the offloaded inputs)
 GRID = (
     *("off", "mlp+loss", "loss+recompute", "mlp+loss+recompute", "loss+recompute+offload"),
     *("on", "on+gpu4", "on+ckpt2", "on+fsdp-offload", "on+ckpt2+fsdp-offload"),
+    *("on+keep", "on+aoff", "on+fsdp-offload+aoff"),
 )
 TIE = 0.01  # predicted steps this close to the fastest count as as fast (`_pick`)
 # options the printed command always names, first, in this order
@@ -45,8 +48,8 @@ class RecommendConfig:
     """Recommend the fastest configuration that fits at --seq-len: simulate every strategy x
     heads per stage x memory feature set (--features if given, else off, mlp+loss,
     loss+recompute, mlp+loss+recompute, loss+recompute+offload, on, on+gpu4, on+ckpt2,
-    on+fsdp-offload, on+ckpt2+fsdp-offload), predict its step time on --hardware, print the
-    table and the torchrun command of the pick."""
+    on+fsdp-offload, on+ckpt2+fsdp-offload, on+keep, on+aoff, on+fsdp-offload+aoff), predict
+    its step time on --hardware, print the table and the torchrun command of the pick."""
     seq_len: int | None = None
     """Tokens per sequence for --recommend."""
     hardware: str = dataclasses.field(default="h100", metadata={"choices": tuple(HARDWARE)})

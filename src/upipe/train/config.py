@@ -12,7 +12,8 @@ from upipe.attention.schedule import check_heads_per_stage
 from upipe.kernels import KERNELS
 from upipe.kernels_select import kernel_problem
 from upipe.model import PRESETS, ModelConfig, config_from_hf, get_config
-from upipe.train.parallelize import MemoryFeatures
+from upipe.model.features import ATTENTION_OUTPUTS
+from upipe.train.parallelize import MemoryFeatures, check_memory_features
 from upipe.train.tokenizers import VOCAB_SIZE, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -101,6 +102,15 @@ class TrainConfig:
     keep_on_gpu: int = 0
     """With --offload: keep the inputs of the last K checkpoints on the GPU (less host
     memory, more GPU memory)."""
+    attention_outputs: str = dataclasses.field(
+        default="recompute", metadata={"choices": ATTENTION_OUTPUTS}
+    )
+    """With --activation-checkpoint: recompute calls each attention kernel again when a
+    block is recomputed in backward; keep reuses the forward's attention outputs and lse
+    instead (one attention forward less per layer and step, bit-identical results), held on
+    the device from each layer's forward to its backward: one [B, L, H*d] tensor plus
+    B * L * H fp32 per layer; offload holds them in host memory beside the block inputs
+    (needs --offload). Not for --strategy none (torch's own attention)."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer states over all ranks (FSDP2)."""
     fsdp_offload: bool = False
@@ -159,6 +169,7 @@ class TrainConfig:
             blocks_per_checkpoint=self.blocks_per_checkpoint,
             offload=self.offload,
             keep_on_gpu=self.keep_on_gpu,
+            attention_outputs=self.attention_outputs,
         )
 
 
@@ -240,9 +251,14 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
             return f"--heads-per-stage: {e}"
     elif cfg.heads_per_stage is not None:
         return "--heads-per-stage applies to --strategy upipe only"
-    if cfg.offload and not cfg.activation_checkpoint:
+    problem = check_memory_features(cfg.features(), flag=lambda n: "--" + n.replace("_", "-"))
+    if problem:
+        return problem
+    if cfg.attention_outputs != "recompute" and spec.module is None:
         return (
-            "--offload keeps the checkpointed block inputs on the host; add --activation-checkpoint"
+            f"--attention-outputs {cfg.attention_outputs} reuses what upipe's attention ops "
+            f"keep; --strategy {cfg.strategy} runs the model's own attention (torch's SDPA): "
+            "use --attention-outputs recompute"
         )
     per, keep = cfg.blocks_per_checkpoint, cfg.keep_on_gpu
     checkpoints = -(-m.n_layers // max(per, 1))  # ceil(n_layers / blocks per checkpoint)

@@ -21,6 +21,7 @@ from torch import nn
 from upipe.attention.module import ContextParallelAttention
 from upipe.attention.registry import get_strategy
 from upipe.comm import sequence_positions
+from upipe.model.features import ATTENTION_OUTPUTS
 from upipe.model.llama import Attention, CausalLM
 from upipe.model.offload import Offloader
 from upipe.torch_private import flatten_mesh
@@ -112,18 +113,48 @@ class MemoryFeatures:
     """Keep the checkpointed inputs in host memory (CUDA; needs activation_checkpoint)."""
     keep_on_gpu: int = 0
     """With offload: the inputs of the last K checkpoints stay on the device."""
+    attention_outputs: str = "recompute"
+    """With activation_checkpoint: "keep" -- the recomputation in backward reuses each
+    attention layer's forward outputs and lse (kept on the device from its forward to its
+    backward: one [B, L, H*d] tensor plus B * L * H fp32 per layer) and calls no attention
+    kernel; "offload" -- the same, kept in host memory beside the offloaded block inputs
+    (needs offload); "recompute" -- call the kernel again. Bit-identical results
+    (`upipe.model.features.activation_checkpoint`, `upipe.attention.kept`)."""
+
+
+def check_memory_features(features: MemoryFeatures, flag=str) -> str | None:
+    """The first combination of `features` that cannot run, as a message naming the fix (the
+    one home of these rules); `flag(field name)` says how a field is spelt (`upipe train`:
+    as its option)."""
+    ckpt, off, out = (flag(n) for n in ("activation_checkpoint", "offload", "attention_outputs"))
+    if features.offload and not features.activation_checkpoint:
+        return f"{off} keeps the checkpointed block inputs on the host; add {ckpt}"
+    mode = features.attention_outputs
+    if mode not in ATTENTION_OUTPUTS:
+        return f"{out} must be one of {', '.join(ATTENTION_OUTPUTS)}, got {mode!r}"
+    if mode != "recompute" and not features.activation_checkpoint:
+        return (
+            f"{out} {mode} hands each attention layer's forward outputs to the recomputation "
+            f"of activation checkpointing; add {ckpt}"
+        )
+    if mode == "offload" and not features.offload:
+        return (
+            f"{out} offload keeps them in host memory beside the offloaded block inputs; add "
+            f"{off} (or keep them on the device: {out} keep)"
+        )
+    return None
 
 
 def apply_memory_features(model: CausalLM, features: MemoryFeatures, device) -> CausalLM:
     """Switch the features on (the model's attributes; see `upipe.model.llama`)."""
-    if features.offload and not features.activation_checkpoint:
-        raise ValueError(
-            "offload keeps the checkpointed block inputs on the host; add activation_checkpoint"
-        )
+    problem = check_memory_features(features)
+    if problem:
+        raise ValueError(problem)
     for block in model.model.layers:
         block.mlp.tile_tokens = features.tiled_mlp
     model.loss_chunk_tokens = features.loss_chunk
     model.recompute_blocks = features.activation_checkpoint and features.blocks_per_checkpoint
+    model.attention_outputs = features.attention_outputs
     on_device = torch.device(device).type not in ("cpu", "meta")
     offload = features.offload and on_device  # (on the CPU the inputs are in host memory already)
     model.offload = make_offloader(len(model.model.layers), features) if offload else None
