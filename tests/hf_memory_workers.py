@@ -101,6 +101,7 @@ def _feature_error(name, group):
         "segments_alone": dict(blocks_per_checkpoint=2),
         "tile": dict(tiled_mlp=True, mlp_tile=0),
         "backend": dict(backend="nope"),
+        "outputs_alone": dict(attention_outputs="keep"),
     }
     if name in at_apply:
         apply_context_parallel(model, group=group, **at_apply[name])

@@ -393,7 +393,9 @@ def test_a_task_that_cannot_be_sent_raises_at_once(short_timeout):
     pickled: a TypeError in the caller at once, not a wait for the call's limit; the ranks
     are still there for the next call."""
     t0 = time.monotonic()
-    with pytest.raises(TypeError, match=r"cannot send .*<lambda> to the ranks: .*module-level function"):
+    with pytest.raises(
+        TypeError, match=r"cannot send .*<lambda> to the ranks: .*module-level function"
+    ):
         short_timeout.run(lambda rank, world_size: rank)
     with pytest.raises(TypeError, match="cannot send pid to the ranks"):
         short_timeout.run(pid, threading.Lock())

@@ -73,6 +73,27 @@ def test_packed_documents_with_every_feature(clusters, world):
     _check(results, reference, logits_none=True)
 
 
+@pytest.mark.parametrize(
+    "world,options,run",
+    [
+        (2, dict(ALL, attention_outputs="keep"), {}),
+        (4, dict(ALL, blocks_per_checkpoint=2, attention_outputs="keep"), {}),
+        (2, dict(ALL, offload=True, attention_outputs="offload"), {"offload": True}),
+    ],
+)
+def test_kept_attention_outputs_are_bit_identical(clusters, world, options, run):
+    """attention_outputs="keep" / "offload": the recomputation reuses each attention call's
+    outputs -- the same loss and gradients, bit for bit, as recomputing them."""
+    reference = _reference("qwen3")
+    kept = clusters(world).run(W.run_with_features, "qwen3", reference[2], dict(options), run)
+    plain = dict(options, attention_outputs="recompute")
+    recomputed = clusters(world).run(W.run_with_features, "qwen3", reference[2], plain, run)
+    for (loss, grads, *_), (loss_r, grads_r, *_) in zip(kept, recomputed, strict=True):
+        assert torch.equal(loss, loss_r)
+        assert all(torch.equal(grads[n], grads_r[n]) for n in grads_r)
+    _check(kept, reference, logits_none=True)
+
+
 def test_transformers_gradient_checkpointing_is_taken_over(clusters):
     """gradient_checkpointing_enable() with upipe's features: each layer recomputed once (by
     upipe), not twice; the same loss and gradients."""
@@ -95,8 +116,9 @@ def test_deepspeed_dropin_with_upipe_features(clusters, dropin):
 
 
 ERRORS = {
-    "offload_alone": "offload=True keeps the checkpointed inputs on the host: add "
+    "offload_alone": "offload=True keeps the checkpointed block inputs on the host; add "
     "activation_checkpoint=True",
+    "outputs_alone": "attention_outputs= keep hands each attention layer's forward outputs",
     "keep_all": "keep_on_gpu=2 keeps all 2 checkpoints (2 layers / 1 per checkpoint) on the GPU",
     "segments_alone": "blocks_per_checkpoint=2 needs activation_checkpoint=True",
     "tile": "mlp_tile must be >= 1, got 0",

@@ -317,6 +317,7 @@ def apply_context_parallel(
     blocks_per_checkpoint=1,
     offload=False,
     keep_on_gpu=0,
+    attention_outputs="recompute",
 ):
     """Make a Hugging Face causal LM context-parallel, in place; returns the model.
 
@@ -339,7 +340,9 @@ def apply_context_parallel(
     as `upipe train`'s flags): `tiled_mlp` (tiles of `mlp_tile` tokens), `chunked_loss`
     (chunks of `loss_chunk` tokens; the model then returns the loss with logits=None),
     `activation_checkpoint` (`blocks_per_checkpoint` layers per checkpoint), `offload` (the
-    checkpointed inputs in host memory on CUDA, but the last `keep_on_gpu` checkpoints').
+    checkpointed inputs in host memory on CUDA, but the last `keep_on_gpu` checkpoints'),
+    `attention_outputs` ("keep" / "offload": the recomputation reuses each attention layer's
+    forward outputs instead of calling its kernel again).
 
     Raises ValueError for unsupported models and options (sliding window shorter than the
     sequence -- checked per call --, dynamic rope, attention dropout, padding masks, labels=
@@ -356,6 +359,7 @@ def apply_context_parallel(
         blocks_per_checkpoint=blocks_per_checkpoint,
         offload=offload,
         keep_on_gpu=keep_on_gpu,
+        attention_outputs=attention_outputs,
     )
     problem = model_problem(model, options)
     if problem:

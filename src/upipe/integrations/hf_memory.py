@@ -62,6 +62,7 @@ from upipe.attention.common import agree_across_ranks
 from upipe.loss import IGNORE_INDEX, count_valid, cross_entropy_sum, global_token_mean
 from upipe.model.features import activation_checkpoint, tiled_recompute
 from upipe.model.offload import Offloader
+from upipe.train.parallelize import MemoryFeatures, check_memory_features
 
 log = logging.getLogger("upipe")
 
@@ -99,6 +100,10 @@ class MemoryOptions:
     """Keep the checkpointed inputs in host memory (CUDA; needs activation_checkpoint)."""
     keep_on_gpu: int = 0
     """With offload: the inputs of the last K checkpoints stay on the device."""
+    attention_outputs: str = "recompute"
+    """With activation_checkpoint, what the recomputation does about the attention: "recompute"
+    (call its kernel again), "keep" (reuse the forward's outputs and lse, kept on the device),
+    "offload" (kept in host memory beside the offloaded inputs; needs offload)."""
 
     @property
     def layers_replaced(self) -> bool:
@@ -113,11 +118,14 @@ class MemoryOptions:
                 return f"{name} must be >= 1, got {getattr(self, name)}"
         if self.keep_on_gpu < 0:
             return f"keep_on_gpu must be >= 0, got {self.keep_on_gpu}"
-        if self.offload and not self.activation_checkpoint:
-            return (
-                "offload=True keeps the checkpointed inputs on the host: add "
-                "activation_checkpoint=True"
-            )
+        shared = MemoryFeatures(
+            activation_checkpoint=self.activation_checkpoint,
+            offload=self.offload,
+            attention_outputs=self.attention_outputs,
+        )
+        problem = check_memory_features(shared, flag=_keyword)
+        if problem:
+            return problem
         m = self.blocks_per_checkpoint
         if m > 1 and not self.activation_checkpoint:
             return f"blocks_per_checkpoint={m} needs activation_checkpoint=True"
@@ -250,6 +258,11 @@ class HFMemory:
                 fns[start : start + m], x_BLD, *args, offload=slot, index=j
             )
         return x_BLD
+
+
+def _keyword(name: str) -> str:
+    """How `check_memory_features` spells a field here: as apply_context_parallel's keyword."""
+    return {"attention_outputs": "attention_outputs="}.get(name, f"{name}=True")
 
 
 def window_problem(cfg, S: int) -> str | None:
