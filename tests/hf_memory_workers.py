@@ -67,12 +67,18 @@ def run_with_features(rank, world_size, arch, state, options, run):
         count = (labels != -100).sum()
         dist.all_reduce(count, group=group)
         kw["num_items_in_batch"] = count
-    out = model(**batch, labels=labels, shift_labels=labels, **kw)
-    out.loss.backward()
+    from kept_workers import KernelCalls
+
+    kernel = KernelCalls()
+    with kernel:
+        out = model(**batch, labels=labels, shift_labels=labels, **kw)
+        out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     if "offload" in run:
         arena = model.upipe_memory.offload.arena
         assert arena is not None and arena.numel() == (n + m - 1) * labels.numel() * 64
+    if "kernel_calls" in run:
+        calls = (kernel.forward, kernel.backward)
     return out.loss.detach(), grads, out.logits is None, calls
 
 

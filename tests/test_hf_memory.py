@@ -84,13 +84,18 @@ def test_packed_documents_with_every_feature(clusters, world):
 def test_kept_attention_outputs_are_bit_identical(clusters, world, options, run):
     """attention_outputs="keep" / "offload": the recomputation reuses each attention call's
     outputs -- the same loss and gradients, bit for bit, as recomputing them."""
-    reference = _reference("qwen3")
+    reference, run = _reference("qwen3"), dict(run, kernel_calls=True)
     kept = clusters(world).run(W.run_with_features, "qwen3", reference[2], dict(options), run)
     plain = dict(options, attention_outputs="recompute")
     recomputed = clusters(world).run(W.run_with_features, "qwen3", reference[2], plain, run)
-    for (loss, grads, *_), (loss_r, grads_r, *_) in zip(kept, recomputed, strict=True):
+    for (loss, grads, _, k), (loss_r, grads_r, _, r) in zip(kept, recomputed, strict=True):
         assert torch.equal(loss, loss_r)
         assert all(torch.equal(grads[n], grads_r[n]) for n in grads_r)
+        # kernel calls (forward, backward): recomputing, a segment of m layers runs 3m - 1
+        # layer forwards (the first m - 1 once more, to rebuild the next input); kept, only
+        # the m of the forward call the kernel
+        m = options.get("blocks_per_checkpoint", 1)
+        assert k[1] == r[1] and k[0] * (3 * m - 1) == r[0] * m, (k, r)
     _check(kept, reference, logits_none=True)
 
 

@@ -251,11 +251,18 @@ class HFMemory:
             for fn in fns:
                 x_BLD = fn(x_BLD, *args)
             return x_BLD
-        offload = self.offloader(x_BLD) if self.options.activation_checkpoint else None
+        ours = self.options.activation_checkpoint  # (not transformers' taken over)
+        offload = self.offloader(x_BLD) if ours else None
+        outputs = self.options.attention_outputs if ours else "recompute"
         for j, start in enumerate(range(0, len(fns), m)):
             slot = offload if offload is not None and j < offload.n_inputs else None
             x_BLD = activation_checkpoint(
-                fns[start : start + m], x_BLD, *args, offload=slot, index=j
+                fns[start : start + m],
+                x_BLD,
+                *args,
+                offload=slot,
+                index=j,
+                attention_outputs=outputs,
             )
         return x_BLD
 
