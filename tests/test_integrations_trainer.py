@@ -177,7 +177,7 @@ MIXIN_ERRORS = {
     "converted_and_options": "context_parallel= was given for a model that "
     "apply_context_parallel has converted already: drop context_parallel=",
     "unknown_key": "context_parallel has unknown keys ['tiled_mpl']: it takes "
-    "apply_context_parallel's keywords ['strategy', 'heads_per_stage', 'tiled_mlp',",
+    "apply_context_parallel's keywords ['strategy', 'heads_per_stage',",
     "group_in_options": "unknown keys ['group']",
     "options_for_a_name": "pass model= a loaded model (from_pretrained), not str",
     "not_converted": "the model is not context-parallel: pass "
