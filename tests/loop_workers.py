@@ -48,3 +48,20 @@ def state_bytes(rank, world_size, cfg):
         "optimizer": {t.dtype for t in states},
     }
     return counts, trainer.model.config.num_params(), dtypes
+
+
+def train_lrs_and_notes(rank, world_size, cfg):
+    """upipe.train.train(cfg): (step, lr, loss) of each step run, and what rank 0 printed to
+    stderr (the resume notes); a raised error as its message."""
+    import contextlib
+    import io
+
+    from upipe.train import train
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            rows = train(cfg)
+    except Exception as e:  # noqa: BLE001 -- the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return [(r["step"], r["lr"], r["loss"]) for r in rows], printed.getvalue()

@@ -127,6 +127,39 @@ def test_resume_with_schedule_accumulation_and_masters(clusters, tmp_path, kw):
     assert resumed == straight[2:]
 
 
+def test_resume_with_another_steps_keeps_or_replaces_the_schedule(clusters, tmp_path):
+    """A run of 4 steps resumed with --steps 6 continues the checkpoint's cosine (its floor
+    past step 4) and says so; --reschedule takes this run's 6-step cosine from step 4 on (the
+    rate jumps, printed); --resume on an empty folder is an error naming it on every rank,
+    --resume-if-present starts from step 0 there."""
+    from loop_workers import train_lrs_and_notes as run
+
+    ckpt = str(tmp_path / "ckpt")
+    four = small_config(steps=4, lr=1e-2, min_lr_ratio=0.1, checkpoint_dir=ckpt)
+    clusters(2).run(run, four)
+    six = dataclasses.replace(four, steps=6, resume=True)
+    kept, said = clusters(2).run(run, six)[0]
+    assert [s for s, _, _ in kept] == [5, 6]
+    assert [lr for _, lr, _ in kept] == pytest.approx([1e-3, 1e-3])  # the saved floor
+    assert "the checkpoint's learning-rate schedule goes on: lr 0.01, 0 warmup steps, " in said
+    assert "cosine to 0.1 x lr at step 4 (this run asked for lr 0.01, 0 warmup steps" in said
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000006")
+    replaced, said = clusters(2).run(run, dataclasses.replace(six, reschedule=True))[0]
+    want = [1e-2 * warmup_cosine(s, warmup=0, total=6, min_ratio=0.1) for s in (4, 5)]
+    assert [lr for _, lr, _ in replaced] == pytest.approx(want)
+    assert f"the rate goes from 0.001 to {want[0]:.4g} at step 4" in said
+    straight, _ = clusters(2).run(run, dataclasses.replace(four, steps=6, checkpoint_dir=None))[0]
+    assert [lr for _, lr, _ in replaced] == [lr for _, lr, _ in straight[4:]]
+    empty = str(tmp_path / "typo")
+    for found in clusters(2).run(run, dataclasses.replace(six, checkpoint_dir=empty)):
+        assert f"CheckpointError: --resume: no checkpoint in {empty} " in found, found
+        assert "--resume-if-present" in found
+    fresh = dataclasses.replace(six, checkpoint_dir=empty, resume=False, resume_if_present=True)
+    rows, said = clusters(2).run(run, fresh)[0]
+    assert "starting from step 0" in said
+    assert rows == straight
+
+
 def test_eval_metrics_and_tensorboard(clusters, tmp_path):
     """eval_loss every 2 steps and at the end, on the held-out documents (data.py's split:
     no token of them in a training batch); the lr of each step; the same scalars as

@@ -79,7 +79,8 @@ OPTION_GROUPS = {
     "evaluation": ("eval_every", "eval_batches", "eval_fraction"),
     "logging": ("metrics_file", "tensorboard", "plot"),
     "checkpoints and weights": (
-        "checkpoint_dir", "checkpoint_every", "resume", "init_from_hf", "save_hf",
+        "checkpoint_dir", "checkpoint_every", "resume", "resume_if_present", "reschedule",
+        "init_from_hf", "save_hf",
     ),
 }  # fmt: skip
 

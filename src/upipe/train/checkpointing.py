@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -205,13 +204,13 @@ def load_latest_checkpoint(
     master: torch.nn.Module,
     optimizer,
     scheduler,
-    schedule: Callable[[int], float],
 ) -> tuple[int | None, list[str]]:
     """Load the newest intact checkpoint under `directory` into `master`, `optimizer` and
     `scheduler` (`newest_intact_checkpoint`). Returns its step (None, nothing loaded, if
     the directory holds no checkpoint) and the newer ones skipped, one line each;
-    `CheckpointError` if there are checkpoints but none is intact. The learning rate is then
-    set from the step reached and `schedule` (this run's LR multiplier per step)."""
+    `CheckpointError` if there are checkpoints but none is intact. The scheduler gets the
+    saved state, its schedule included (`upipe.train.loop.LRSchedule`); the caller sets the
+    next rate (`Trainer.load_latest`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -233,9 +232,4 @@ def load_latest_checkpoint(
         optim_state_dict=state["optim"],
     )
     scheduler.load_state_dict(state["scheduler"])
-    # the next rate from the step reached and *this* run's schedule (the checkpoint's
-    # optimizer holds the rate of the run that saved it; with a larger --steps the
-    # resumed run continues along its own, longer cosine)
-    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-        group["lr"] = base * schedule(scheduler.last_epoch)
     return int(path.name.split("_")[1]), skipped

@@ -148,7 +148,15 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
     resume: bool = False
-    """Continue from the newest checkpoint in --checkpoint-dir."""
+    """Continue from the newest intact checkpoint in --checkpoint-dir (an error if it holds
+    none) along the checkpoint's learning-rate schedule, also with another --steps (the
+    rate stays at its floor past the saved last step; --reschedule for a new schedule)."""
+    resume_if_present: bool = False
+    """As --resume where --checkpoint-dir holds a checkpoint, else start from step 0 (for
+    scripts that rerun the same command)."""
+    reschedule: bool = False
+    """With --resume: replace the checkpoint's learning-rate schedule (--steps,
+    --warmup-steps, --min-lr-ratio, --lr) by this run's from the step reached on."""
     plot: str | None = "train_loss.png"
     """Write the loss curve here (PNG; needs matplotlib, else skipped with a warning); ''
     for none."""
@@ -278,8 +286,12 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
             "--fsdp-offload keeps FSDP2's sharded parameters, gradients and optimizer states "
             "on the host; add --fsdp"
         )
-    if cfg.resume and not cfg.checkpoint_dir:
-        return "--resume needs --checkpoint-dir"
+    if (cfg.resume or cfg.resume_if_present) and not cfg.checkpoint_dir:
+        return f"--{'resume' if cfg.resume else 'resume-if-present'} needs --checkpoint-dir"
+    if cfg.resume and cfg.resume_if_present:
+        return "--resume and --resume-if-present exclude each other: pass one"
+    if cfg.reschedule and not (cfg.resume or cfg.resume_if_present):
+        return "--reschedule changes a resumed run's schedule: add --resume"
     if m.vocab_size >= vocab:
         return None
     tokens = "byte tokens" if cfg.tokenizer is None else f"token ids of {cfg.tokenizer}"

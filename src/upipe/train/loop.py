@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib.util
 import math
 import sys
@@ -28,7 +27,7 @@ from upipe.mesh import make_mesh
 from upipe.model import CausalLM, ModelConfig, load_hf_weights, save_hf_checkpoint
 from upipe.packing import document_positions
 from upipe.plot import Panel, Series, save_plot
-from upipe.train.checkpointing import load_latest_checkpoint, save_checkpoint
+from upipe.train.checkpointing import CheckpointError, load_latest_checkpoint, save_checkpoint
 from upipe.train.config import DTYPES, TrainConfig, padded_length
 from upipe.train.config import model_config as train_model_config
 from upipe.train.data import PackedTokens, mask_document_ends
@@ -58,6 +57,29 @@ def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
     span = max(1, total - 1 - warmup)
     progress = min(1.0, (step - warmup) / span)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclasses.dataclass
+class LRSchedule:
+    """The run's learning-rate factor per optimizer step: `warmup_cosine` over `steps` steps.
+
+    A callable object rather than a `functools.partial`: `LambdaLR.state_dict()` saves the
+    fields of callable objects (not of functions), so a checkpoint records the schedule it
+    was trained with and `LambdaLR.load_state_dict` restores it -- a run resumed with another
+    --steps continues the saved curve unless it asks for a new one (`Trainer.load_latest`)."""
+
+    steps: int
+    warmup: int
+    min_ratio: float
+
+    def __call__(self, step: int) -> float:
+        return warmup_cosine(step, warmup=self.warmup, total=self.steps, min_ratio=self.min_ratio)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.warmup} warmup steps, then a cosine to {self.min_ratio:g} x lr at step "
+            f"{self.steps}"
+        )
 
 
 class NonFiniteError(RuntimeError):
@@ -145,9 +167,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
-        self.schedule = functools.partial(
-            warmup_cosine, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio
-        )
+        self.schedule = LRSchedule(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self._positions = {}
 
@@ -360,17 +380,52 @@ class Trainer:
             self.cfg.checkpoint_dir, step, self.master, self.optimizer, self.scheduler
         )
 
-    def load_latest(self) -> tuple[int, list[str]]:
+    def load_latest(self) -> tuple[int, list[str], str]:
         """Load the newest intact checkpoint (`load_latest_checkpoint`); returns its step (0
-        if there is none) and one line per newer checkpoint skipped as damaged."""
+        if there is none and `cfg.resume_if_present`), one line per newer checkpoint skipped
+        as damaged, and one line saying what goes on (which learning-rate schedule).
+
+        The checkpoint's schedule (steps, warmup, floor, peak rate) goes on unless
+        `cfg.reschedule`, which replaces it by this run's (the rate then jumps to this
+        schedule's at the step reached). `cfg.resume` with no checkpoint in the directory is
+        a `CheckpointError` naming it (the same on every rank: the listing is rank 0's)."""
+        directory = self.cfg.checkpoint_dir
         step, skipped = load_latest_checkpoint(
-            self.cfg.checkpoint_dir, self.master, self.optimizer, self.scheduler, self.schedule
+            directory, self.master, self.optimizer, self.scheduler
         )
         if step is None:
-            return 0, skipped
+            if not self.cfg.resume_if_present:
+                raise CheckpointError(
+                    f"--resume: no checkpoint in {directory} (a step_* directory written by "
+                    "upipe train --checkpoint-dir): check the path, or pass "
+                    "--resume-if-present to start from scratch when there is none"
+                )
+            return 0, skipped, f"no checkpoint in {directory}: starting from step 0"
+        ours = LRSchedule(self.cfg.steps, self.cfg.warmup_steps, self.cfg.min_lr_ratio)
+        saved, saved_lr = dataclasses.replace(self.schedule), self.scheduler.base_lrs[0]
+        same = saved == ours and saved_lr == self.cfg.lr
+        if self.cfg.reschedule and not same:
+            self.schedule.__dict__.update(dataclasses.asdict(ours))
+            self.scheduler.base_lrs = [self.cfg.lr] * len(self.scheduler.base_lrs)
+            note = (
+                f"rescheduled (--reschedule): lr {self.cfg.lr:g}, {ours}; the rate goes from "
+                f"{saved_lr * saved(step):.4g} to {self.cfg.lr * ours(step):.4g} at step {step}"
+            )
+        elif same:
+            note = f"the learning-rate schedule goes on: lr {saved_lr:g}, {saved}"
+        else:
+            note = (
+                f"the checkpoint's learning-rate schedule goes on: lr {saved_lr:g}, {saved} "
+                f"(this run asked for lr {self.cfg.lr:g}, {ours}; --reschedule replaces the "
+                "schedule by this run's)"
+            )
+        # the next rate from the step reached and the schedule that goes on (the optimizer's
+        # saved rate is that of the step before)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * self.schedule(step)
         if self.masters is not None:
             self.masters.copy_to_model()
-        return step, skipped
+        return step, skipped, f"resuming from step {step} in {directory}; {note}"
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, device) -> CausalLM:
@@ -399,7 +454,8 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     # collective (rank 0 alone rewrites it)
     rows, torn = read_metrics(cfg.metrics_file) if cfg.resume and cfg.metrics_file else ([], None)
     trainer = Trainer(cfg, device)
-    start, damaged = trainer.load_latest() if cfg.resume else (0, [])
+    resuming = cfg.resume or cfg.resume_if_present
+    start, damaged, resumed = trainer.load_latest() if resuming else (0, [], None)
     history = [r for r in rows if r["step"] <= start] if rank == 0 else []
     tokens = cfg.seq_len * cfg.batch_size * trainer.dp * cfg.grad_accum
     bar = writer = None
@@ -408,9 +464,8 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
 
         for line in damaged:
             print(f"warning: skipped damaged checkpoint {line}", file=sys.stderr)
-        if cfg.resume:
-            where = f"step {start}" if start else "step 0: no checkpoint"
-            print(f"resuming from {where} in {cfg.checkpoint_dir}", file=sys.stderr)
+        if resumed:
+            print(resumed, file=sys.stderr)
         if torn:
             print(f"warning: metrics file {torn}", file=sys.stderr)
         if cfg.metrics_file:
