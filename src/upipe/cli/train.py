@@ -34,6 +34,7 @@ from upipe.plot import have_matplotlib
 from upipe.train.checkpointing import CheckpointError
 from upipe.train.config import TrainConfig, model_config, padded_length, validate
 from upipe.train.data import check_corpus
+from upipe.train.fits import GiB, available_host_bytes, check_fits, state_bytes
 from upipe.train.loop import NonFiniteError, have_tensorboard, summary, train
 from upipe.train.outputs import check_outputs
 
@@ -110,6 +111,10 @@ def _handle(ns, parser) -> int:
             "--tensorboard needs the tensorboard package: pip install 'upipe[train]' "
             "(or pip install tensorboard)"
         )
+    if problem is None and cfg.device == "cpu" and not _under_torchrun():
+        problem = check_fits(
+            cfg, world, available_host_bytes(), sharing=world, where="this machine"
+        )
     if problem:
         parser.error(problem)
     if cfg.plot and not have_matplotlib():
@@ -173,7 +178,7 @@ def run(cfg: TrainConfig) -> int:
             with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=cfg.timeout) as cluster:
                 history = cluster.run(_spawned_rank, cfg)[0]
         except DistributedError as e:
-            return _failed(e)
+            return _failed(e, cfg)
     print(summary(history))
     for what, path in (
         ("metrics", cfg.metrics_file),
@@ -187,16 +192,28 @@ def run(cfg: TrainConfig) -> int:
     return 0
 
 
-def _failed(e: DistributedError) -> int:
+def _failed(e: DistributedError, cfg: TrainConfig) -> int:
     """Say in one line what happened to which rank; above it the traceback of the first
     error, if that is not an explained one and no rank died or froze (which explains the
-    errors of its peers)."""
+    errors of its peers). A rank killed by SIGKILL that nobody sent it: probably the
+    kernel's out-of-memory killer, said with the job's lower bound (`upipe.train.fits`)."""
     explained = {f"{c.__module__}.{c.__qualname__}" for c in EXPLAINED}
     first = next((f for f in e.failures if f.what == "raised"), None)
     died = any(f.what in ("killed", "exited", "frozen") for f in e.failures)
     if first is not None and first.error_type not in explained and not died:
         print(first.traceback, file=sys.stderr)
     print(f"upipe train: {e.summary}", file=sys.stderr)
+    if any(f.what == "killed" and "SIGKILL" in f.message for f in e.failures):
+        need = cfg.nproc * state_bytes(cfg, cfg.nproc)
+        print(
+            "upipe train: a rank killed by SIGKILL was probably stopped by the kernel's "
+            f"out-of-memory killer (`dmesg` says): this job needs at least {need / GiB:.1f} "
+            f"GiB before activations, {available_host_bytes() / GiB:.1f} GiB are available "
+            "now; try the memory features (--tiled-mlp --chunked-loss "
+            "--activation-checkpoint), --fsdp, a shorter --seq-len or a smaller --model "
+            "(upipe plan --device cpu plans it)",
+            file=sys.stderr,
+        )
     return 1
 
 
@@ -216,6 +233,12 @@ def _run_torchrun(cfg: TrainConfig):
     if cfg.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        # before any collective; the same verdict on every rank of a job on one GPU type
+        total = torch.cuda.get_device_properties(device).total_memory
+        problem = check_fits(cfg, int(os.environ["WORLD_SIZE"]), total, sharing=1,
+                             where=f"GPU {device.index}")  # fmt: skip
+        if problem:
+            raise ValueError(problem)
         # --fsdp-offload: the gradient norm, checkpoints and --save-hf reduce CPU tensors
         backend = "cuda:nccl,cpu:gloo" if cfg.fsdp_offload else "nccl"
     else:
