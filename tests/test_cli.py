@@ -64,3 +64,29 @@ def test_train_help_groups_every_option_once():
     assert positions == sorted(positions)
     memory = res.stdout[positions[4] : positions[5]]  # the "memory features" section
     assert "--activation-checkpoint" in memory and "--lr" not in memory
+
+
+def test_each_default_is_said_once_and_errors_are_two_lines(capsys):
+    """Every option of every command names its default at most once (the docstring's own
+    words or the appended one, none for an empty default); a bad option prints one usage
+    line and the message, not the usage of every option."""
+    import re
+
+    import pytest
+
+    from upipe.cli import COMMANDS, build_parser, main
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if hasattr(a, "choices") and a.choices)
+    for name in (c.__name__.rsplit(".", 1)[1] for c in COMMANDS):
+        for action in sub.choices[name]._actions:
+            said = len(re.findall("default", action.help or "", flags=re.IGNORECASE))
+            assert said <= 1, (name, action.option_strings, action.help)
+            assert "(default: )" not in (action.help or "")
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "usage: upipe train [options]  (upipe train --help lists them)",
+        "upipe train: error: --steps must be >= 1, got -1",
+    ]

@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_command(sub)
+    for name, command_parser in sub.choices.items():
+        # a bad option prints this line and the message, not the ~40-line usage of every option
+        command_parser.usage = f"upipe {name} [options]  (upipe {name} --help lists them)"
     return parser
 
 

@@ -57,6 +57,11 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls, *, skip=(), grou
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         doc = docs.get(f.name, "")
+        # the default said once: by the docstring where it says it, else appended (none for
+        # an empty or None default, which the docstring explains or which means "off")
+        said = "default" in doc.lower() or default in (None, "", (), [])
+        shown = " ".join(map(str, default)) if isinstance(default, tuple | list) else default
+        doc = doc if said else f"{doc} (default: {shown})"
         choices = f.metadata.get("choices")
         if str(f.type) in ("bool", "<class 'bool'>"):
             add(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
@@ -68,7 +73,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls, *, skip=(), grou
                 type=inner,
                 default=list(default),
                 choices=choices,
-                help=f"{doc} (default: {' '.join(map(str, default))})",
+                help=doc,
             )
         else:
             convert = _scalar(f.type)
@@ -80,7 +85,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls, *, skip=(), grou
                 default=default,
                 choices=choices,
                 metavar=None if choices else f.name.upper(),
-                help=f"{doc} (default: {default})",
+                help=doc,
             )
 
 
