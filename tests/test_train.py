@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import grad_errors, rel_err
-from train_workers import small_config, train_and_save, train_steps
+from train_workers import CORPUS, small_config, train_and_save, train_steps
 
 from upipe.loss import count_valid, cross_entropy_sum, global_token_mean, shift_labels
 from upipe.model import CausalLM, get_config
@@ -236,3 +236,32 @@ def test_fsdp_model_never_exists_whole(clusters):
     *_, whole = clusters(1).run(build_memory, small_config(strategy="none"))[0]
     assert sharded.keys() == whole.keys()
     assert all(torch.equal(sharded[n], whole[n]) for n in whole)
+
+
+def test_banner_says_where_the_ulysses_groups_are():
+    from upipe.cli.train import banner
+
+    cfg = small_config(strategy="usp", ring=2, device="cpu")
+    inside = banner(cfg, 16, ranks_per_node=8)
+    assert "16 CPU ranks on 2 node(s) of 8 (dp 1 x ring 2 x ulysses 8: each Ulysses group" in inside
+    assert "of 8 consecutive ranks is inside a node" in inside
+    across = banner(dataclasses.replace(cfg, ring=1), 16, ranks_per_node=8)
+    assert "ulysses 16: each Ulysses group of 16 consecutive ranks is ACROSS a node" in across
+    assert banner(cfg, 4).startswith("tiny (") and "4 CPU ranks (dp 1 x ring 2 x ulysses 2)" in (
+        banner(cfg, 4)
+    )
+
+
+@pytest.mark.slow
+def test_torchrun_prints_the_banner(tmp_path):
+    """Under torchrun (2 ranks on this machine), rank 0 prints the banner with node placement
+    before the first step."""
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "upipe.train", "--steps", "1", "--seq-len", "128", "--plot", "",
+         "--data", CORPUS],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("parameters), strategy upipe, 2 CPU ranks on 1 node(s) of 2") == 1
+    assert "is inside a node" in res.stdout, res.stdout

@@ -137,7 +137,6 @@ def _handle(ns, parser) -> int:
 
 def run(cfg: TrainConfig) -> int:
     """Train `cfg`: in this process under torchrun, else on `cfg.nproc` spawned CPU ranks."""
-    m = model_config(cfg)
     if _under_torchrun():
         try:
             history = _run_torchrun(cfg)
@@ -149,31 +148,7 @@ def run(cfg: TrainConfig) -> int:
         if history is None:
             return 0
     else:
-        dp, ring, uly = cfg.degrees(cfg.nproc)
-        names = ("tiled_mlp", "chunked_loss", "activation_checkpoint", "offload", "fsdp")
-        features = [n for n in names if getattr(cfg, n)]
-        if cfg.activation_checkpoint and cfg.blocks_per_checkpoint > 1:
-            features.append(f"blocks_per_checkpoint={cfg.blocks_per_checkpoint}")
-        if cfg.attention_outputs != "recompute":
-            features.append(f"attention_outputs={cfg.attention_outputs}")
-        name = cfg.init_from_hf or cfg.model
-        print(
-            f"{name} ({m.num_params() / 1e6:.2f}M parameters), strategy {cfg.strategy}, "
-            f"{cfg.nproc} CPU ranks (dp {dp} x ring {ring} x ulysses {uly}), "
-            f"{cfg.seq_len} tokens per sequence, memory features: {features or 'none'}",
-            flush=True,
-        )
-        padded = padded_length(cfg, cfg.nproc)
-        precision = f"{cfg.dtype} compute"
-        if cfg.master_dtype != cfg.dtype:
-            precision += f", {cfg.master_dtype} master weights, gradients and AdamW states"
-        print(
-            f"precision: {precision}; lr {cfg.lr:g} (warmup {cfg.warmup_steps} steps, cosine "
-            f"to {cfg.min_lr_ratio:g}x); {cfg.grad_accum} micro-batch(es) per step"
-            + (f"; sequences padded to {padded} (the tail ignored)" if padded > cfg.seq_len else "")
-            + ("; documents masked" if cfg.document_mask else "; attention across documents"),
-            flush=True,
-        )
+        print(banner(cfg, cfg.nproc), flush=True)
         try:
             with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=cfg.timeout) as cluster:
                 history = cluster.run(_spawned_rank, cfg)[0]
@@ -190,6 +165,44 @@ def run(cfg: TrainConfig) -> int:
         if path:
             print(f"{what}: {path}")
     return 0
+
+
+def banner(cfg: TrainConfig, world: int, ranks_per_node: int | None = None) -> str:
+    """What this run is, printed by rank 0 before the first step: model, strategy, mesh
+    (with node placement under torchrun: the mesh is (dp, ring, ulysses) over consecutive
+    ranks, so a Ulysses group stays inside a node when the node's rank count is a multiple of
+    its size), sequence length, memory features, precision, schedule."""
+    m = model_config(cfg)
+    dp, ring, uly = cfg.degrees(world)
+    names = ("tiled_mlp", "chunked_loss", "activation_checkpoint", "offload", "fsdp")
+    features = [n for n in names if getattr(cfg, n)]
+    if cfg.activation_checkpoint and cfg.blocks_per_checkpoint > 1:
+        features.append(f"blocks_per_checkpoint={cfg.blocks_per_checkpoint}")
+    if cfg.attention_outputs != "recompute":
+        features.append(f"attention_outputs={cfg.attention_outputs}")
+    if ranks_per_node is None:
+        where = f"{world} CPU ranks (dp {dp} x ring {ring} x ulysses {uly})"
+    else:
+        nodes = -(-world // ranks_per_node)
+        inside = "inside" if ranks_per_node % uly == 0 else "ACROSS"
+        where = (
+            f"{world} {cfg.device.upper()} ranks on {nodes} node(s) of {ranks_per_node} (dp "
+            f"{dp} x ring {ring} x ulysses {uly}: each Ulysses group of {uly} consecutive "
+            f"ranks is {inside} a node; kernel {cfg.attention_kernel})"
+        )
+    name = cfg.init_from_hf or cfg.model
+    padded = padded_length(cfg, world)
+    precision = f"{cfg.dtype} compute"
+    if cfg.master_dtype != cfg.dtype:
+        precision += f", {cfg.master_dtype} master weights, gradients and AdamW states"
+    return (
+        f"{name} ({m.num_params() / 1e6:.2f}M parameters), strategy {cfg.strategy}, {where}, "
+        f"{cfg.seq_len} tokens per sequence, memory features: {features or 'none'}\n"
+        f"precision: {precision}; lr {cfg.lr:g} (warmup {cfg.warmup_steps} steps, cosine "
+        f"to {cfg.min_lr_ratio:g}x); {cfg.grad_accum} micro-batch(es) per step"
+        + (f"; sequences padded to {padded} (the tail ignored)" if padded > cfg.seq_len else "")
+        + ("; documents masked" if cfg.document_mask else "; attention across documents")
+    )
 
 
 def _failed(e: DistributedError, cfg: TrainConfig) -> int:
@@ -244,6 +257,9 @@ def _run_torchrun(cfg: TrainConfig):
     else:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
+    if dist.get_rank() == 0:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        print(banner(cfg, dist.get_world_size(), per_node), flush=True)
     try:
         history = train(cfg, device)
     finally:
