@@ -65,3 +65,14 @@ def train_lrs_and_notes(rank, world_size, cfg):
     except Exception as e:  # noqa: BLE001 -- the test reads the message
         return f"{type(e).__name__}: {e}"
     return [(r["step"], r["lr"], r["loss"]) for r in rows], printed.getvalue()
+
+
+def train_with_rank_options(rank, world_size, cfgs):
+    """upipe.train.train(cfgs[rank]) (each rank its own options); a raised error as its
+    message."""
+    from upipe.train import train
+
+    try:
+        return train(cfgs[rank])
+    except ValueError as e:
+        return str(e)

@@ -239,3 +239,15 @@ def test_loop_option_validation(kw, message):
 
     problem = validate(small_config(**kw), 4)
     assert problem == message if message is None else message in problem
+
+
+def test_ranks_started_with_different_options_name_them(clusters):
+    from loop_workers import train_with_rank_options
+
+    cfg = small_config(steps=1)
+    other = dataclasses.replace(cfg, seq_len=256, nproc=2)
+    for found in clusters(2).run(train_with_rank_options, (cfg, other)):
+        assert found == (
+            "the ranks were started with different options: --seq-len: 128 on rank 0; 256 on "
+            "rank 1 (start every node with the same command)"
+        ), found

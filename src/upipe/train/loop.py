@@ -439,6 +439,33 @@ def _build(config: ModelConfig, dtype: torch.dtype, device) -> CausalLM:
         torch.set_default_dtype(default_dtype)
 
 
+def check_same_options(cfg: TrainConfig) -> None:
+    """Every rank was started with the same options (torchrun on several nodes starts one
+    command per node); else the same `ValueError` on every rank, naming each option that
+    differs and its value per rank. One all-gather of the options, before any other
+    collective (a mismatch found later, e.g. in the attention's input check, names shapes,
+    not the flag). `nproc` is exempt: torchrun ignores it."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dataclasses.asdict(cfg))
+    lines = []
+    for name in every[0]:
+        if name == "nproc" or all(c[name] == every[0][name] for c in every):
+            continue
+        ranks = {}
+        for r, c in enumerate(every):
+            ranks.setdefault(repr(c[name]), []).append(str(r))
+        where = "; ".join(
+            f"{value} on rank{'s' * (len(rs) > 1)} {', '.join(rs)}" for value, rs in ranks.items()
+        )
+        lines.append(f"--{name.replace('_', '-')}: {where}")
+    if lines:
+        raise ValueError(
+            "the ranks were started with different options: "
+            + " | ".join(lines)
+            + " (start every node with the same command)"
+        )
+
+
 def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     """Run `cfg` on this rank (default process group initialised); returns the per-step
     metrics on every rank (rank 0 also prints, logs and plots them).
@@ -450,6 +477,7 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     caller (`upipe.train.outputs.check_outputs`, `upipe.train.data.check_corpus`)."""
     device = device or torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
+    check_same_options(cfg)
     # every rank reads the metrics file, so that a bad one fails all of them, before any
     # collective (rank 0 alone rewrites it)
     rows, torn = read_metrics(cfg.metrics_file) if cfg.resume and cfg.metrics_file else ([], None)
