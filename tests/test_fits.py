@@ -57,3 +57,17 @@ def test_cli_refuses_before_spawning(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "upipe train: error: this job needs at least " in err
     assert "but this machine has 16.0 GiB available" in err, err
+
+
+def test_check_memory_simulates_the_step_first(monkeypatch, capsys):
+    """--check-memory: the planner's simulated peak (above the lower bound) is held against
+    the budget; a budget between the two passes the quick check and fails this one."""
+    cfg = small_config(seq_len=2048)
+    monkeypatch.setattr(cli_train, "available_host_bytes", lambda: 5 * state_bytes(cfg, 4))
+    monkeypatch.setattr(cli_train, "LocalCluster", None)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--check-memory", "--seq-len", "2048", "--plot", ""])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "upipe train: error: --check-memory: one step peaks at " in err
+    assert "(simulated)" in err and "it does not fit; upipe plan --model tiny" in err, err

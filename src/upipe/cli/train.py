@@ -75,7 +75,7 @@ OPTION_GROUPS = {
     "precision": ("dtype", "master_dtype"),
     "memory features": (
         "tiled_mlp", "mlp_tile", "chunked_loss", "loss_chunk", "activation_checkpoint",
-        "blocks_per_checkpoint", "offload", "keep_on_gpu", "attention_outputs",
+        "blocks_per_checkpoint", "offload", "keep_on_gpu", "attention_outputs", "check_memory",
     ),
     "evaluation": ("eval_every", "eval_batches", "eval_fraction"),
     "logging": ("metrics_file", "tensorboard", "plot"),
@@ -115,6 +115,8 @@ def _handle(ns, parser) -> int:
         problem = check_fits(
             cfg, world, available_host_bytes(), sharing=world, where="this machine"
         )
+    if problem is None and cfg.check_memory:
+        problem = _simulated_fit(cfg, world)
     if problem:
         parser.error(problem)
     if cfg.plot and not have_matplotlib():
@@ -133,6 +135,36 @@ def _handle(ns, parser) -> int:
             )
         print(line, flush=True)
     return run(cfg)
+
+
+def _simulated_fit(cfg: TrainConfig, world: int) -> str | None:
+    """--check-memory: the planner's simulation of one step of this job (rank 0, the worst
+    rank's loops; `upipe.planner.step`) against the memory of this machine (spawned CPU ranks:
+    all of them) or of this rank's GPU; None if it fits, else the message."""
+    from upipe.planner.plan import extrapolation_depths
+    from upipe.planner.step import StepSimulator
+
+    model = model_config(cfg)
+    kernels = "cpu" if cfg.device == "cpu" else "cuda"
+    depths = extrapolation_depths(cfg, model.n_layers)
+    with StepSimulator(cfg, world, model, kernels=kernels, depths=depths) as sim:
+        peak = sim.step(cfg.seq_len).peak_bytes
+    if cfg.device == "cpu":
+        sharing = 1 if _under_torchrun() else world
+        budget, where = available_host_bytes(), "this machine"
+    else:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        sharing, where = 1, f"GPU {local}"
+        budget = torch.cuda.get_device_properties(local).total_memory
+    line = (
+        f"--check-memory: one step peaks at {peak / GiB:.2f} GiB per rank (simulated), "
+        f"{sharing * peak / GiB:.2f} GiB for {sharing} rank(s) on {where}, which has "
+        f"{budget / GiB:.1f} GiB"
+    )
+    if sharing * peak > budget:
+        return f"{line}: it does not fit; upipe plan --model {cfg.model} finds what does"
+    print(f"{line}: it fits", flush=True)
+    return None
 
 
 def run(cfg: TrainConfig) -> int:

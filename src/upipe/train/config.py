@@ -157,6 +157,10 @@ class TrainConfig:
     reschedule: bool = False
     """With --resume: replace the checkpoint's learning-rate schedule (--steps,
     --warmup-steps, --min-lr-ratio, --lr) by this run's from the step reached on."""
+    check_memory: bool = False
+    """Before any rank starts, simulate one training step with the planner (`upipe plan`'s
+    fake-tensor step: seconds) and refuse the job if its peak does not fit (the quick lower
+    bound of upipe.train.fits is always checked)."""
     plot: str | None = "train_loss.png"
     """Write the loss curve here (PNG; needs matplotlib, else skipped with a warning); ''
     for none."""
