@@ -392,6 +392,7 @@ def test_a_task_that_cannot_be_sent_raises_at_once(short_timeout):
     """A function the ranks could not import (a lambda) or an argument that cannot be
     pickled: a TypeError in the caller at once, not a wait for the call's limit; the ranks
     are still there for the next call."""
+    short_timeout.run(pid)  # the ranks are up (a previous test may have killed them)
     t0 = time.monotonic()
     with pytest.raises(
         TypeError, match=r"cannot send .*<lambda> to the ranks: .*module-level function"
@@ -481,12 +482,27 @@ def test_failures_are_one_line_on_the_command_line(monkeypatch, capsys):
             return False
 
     monkeypatch.setattr(cli, "LocalCluster", Failing)
+    monkeypatch.setattr(cli, "oom_kills", lambda: 3)  # the OOM killer did not act
     assert cli.run(small_config(timeout=42.0, nproc=2)) == 1
     assert seen == {"pg_timeout_s": 42.0}
     err = capsys.readouterr().err
     assert err == (
         "upipe train: rank 1 was killed by SIGKILL (pid 7); rank 0 raised RuntimeError: boom\n"
     )  # the peer's error follows from the death: no traceback
+    counts = iter([3, 4])  # before and after the run: the OOM killer killed one process
+    monkeypatch.setattr(cli, "oom_kills", lambda: next(counts))
+    assert cli.run(small_config(timeout=42.0, nproc=2)) == 1
+    hint = capsys.readouterr().err.splitlines()[1]
+    assert hint.startswith(
+        "upipe train: the rank killed by SIGKILL was stopped by the kernel's out-of-memory "
+        "killer (its oom_kill count rose): this job needs at least 0.0 GiB before activations"
+    ), hint
+    monkeypatch.setattr(cli, "oom_kills", lambda: None)  # the kernel does not say
+    assert cli.run(small_config(timeout=42.0, nproc=2)) == 1
+    assert "was probably stopped by the kernel's out-of-memory killer, if nobody sent it" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr(cli, "oom_kills", lambda: 3)
     failures.pop()
     assert cli.run(small_config(nproc=2)) == 1
     assert (

@@ -265,3 +265,33 @@ def test_torchrun_prints_the_banner(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("parameters), strategy upipe, 2 CPU ranks on 1 node(s) of 2") == 1
     assert "is inside a node" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig,code,by", [("SIGINT", 130, "Ctrl-C (SIGINT)"), ("SIGTERM", 143, "SIGTERM")]
+)
+def test_a_stopped_run_says_so_and_leaks_nothing(tmp_path, sig, code, by):
+    """Ctrl-C or SIGTERM during training: one line naming the signal and the resume, exit
+    128 + the signal, the ranks gone, no traceback and no leaked-semaphore warning."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "upipe", "train", "--steps", "500", "--seq-len", "512",
+         "--nproc", "2", "--plot", "", "--data", CORPUS, "--checkpoint-dir", "ck"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        seen = ""
+        while "loss=" not in seen and time.monotonic() < deadline:  # the first step is done
+            seen += proc.stderr.read(1)
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err[-2000:]
+    said = f"upipe train: stopped by {by}: the ranks were stopped; --resume continues from ck"
+    assert said in err, err[-2000:]
+    assert "Traceback" not in err and "leaked" not in err, err[-2000:]

@@ -199,8 +199,10 @@ class LocalCluster:
         self.start()
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, error, tb):
+        # leaving on an exception (Ctrl-C, say): the ranks may be busy with a task and would
+        # not read the request to leave, so they are killed at once
+        self.close(wait_s=0.0 if kind is not None else 10.0)
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -238,7 +240,11 @@ class LocalCluster:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        self._collect(self.timeout_s, "starting the ranks")
+        try:
+            self._collect(self.timeout_s, "starting the ranks")
+        except BaseException:  # __exit__ is not called when __enter__ raises
+            self.close(wait_s=0.0)
+            raise
 
     def close(self, *, wait_s: float = 10.0) -> None:
         """Stop the ranks: ask them to leave, wait up to `wait_s`, then kill what is left."""

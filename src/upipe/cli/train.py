@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import signal
 import sys
 
 import torch
@@ -34,7 +35,7 @@ from upipe.plot import have_matplotlib
 from upipe.train.checkpointing import CheckpointError
 from upipe.train.config import TrainConfig, model_config, padded_length, validate
 from upipe.train.data import check_corpus
-from upipe.train.fits import GiB, available_host_bytes, check_fits, state_bytes
+from upipe.train.fits import GiB, available_host_bytes, check_fits, oom_kills, state_bytes
 from upipe.train.loop import NonFiniteError, have_tensorboard, summary, train
 from upipe.train.outputs import check_outputs
 
@@ -181,11 +182,25 @@ def run(cfg: TrainConfig) -> int:
             return 0
     else:
         print(banner(cfg, cfg.nproc), flush=True)
+        # SIGTERM as Ctrl-C: the ranks are stopped and the queues' semaphores released (the
+        # default action would end this process at once and leave both to the kernel and to
+        # multiprocessing's resource tracker, which warns about "leaked semaphore objects")
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        kills = oom_kills()
         try:
             with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=cfg.timeout) as cluster:
                 history = cluster.run(_spawned_rank, cfg)[0]
         except DistributedError as e:
-            return _failed(e, cfg)
+            return _failed(e, cfg, kills)
+        except KeyboardInterrupt as e:
+            by = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C (SIGINT)"
+            ck = cfg.checkpoint_dir
+            resume = f"; --resume continues from {ck}" if ck else ""
+            line = f"upipe train: stopped by {by}: the ranks were stopped{resume}"
+            print(f"\n{line}", file=sys.stderr)
+            return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     print(summary(history))
     for what, path in (
         ("metrics", cfg.metrics_file),
@@ -237,7 +252,15 @@ def banner(cfg: TrainConfig, world: int, ranks_per_node: int | None = None) -> s
     )
 
 
-def _failed(e: DistributedError, cfg: TrainConfig) -> int:
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be."""
+
+
+def _interrupt(signum, frame):
+    raise _Terminated
+
+
+def _failed(e: DistributedError, cfg: TrainConfig, oom_kills_before: int | None) -> int:
     """Say in one line what happened to which rank; above it the traceback of the first
     error, if that is not an explained one and no rank died or froze (which explains the
     errors of its peers). A rank killed by SIGKILL that nobody sent it: probably the
@@ -248,13 +271,19 @@ def _failed(e: DistributedError, cfg: TrainConfig) -> int:
     if first is not None and first.error_type not in explained and not died:
         print(first.traceback, file=sys.stderr)
     print(f"upipe train: {e.summary}", file=sys.stderr)
-    if any(f.what == "killed" and "SIGKILL" in f.message for f in e.failures):
+    killed = any(f.what == "killed" and "SIGKILL" in f.message for f in e.failures)
+    now = oom_kills()
+    if killed and (now is None or oom_kills_before is None or now > oom_kills_before):
         need = cfg.nproc * state_bytes(cfg, cfg.nproc)
+        why = (
+            "was stopped by the kernel's out-of-memory killer (its oom_kill count rose)"
+            if now is not None and oom_kills_before is not None
+            else "was probably stopped by the kernel's out-of-memory killer, if nobody sent it"
+        )
         print(
-            "upipe train: a rank killed by SIGKILL was probably stopped by the kernel's "
-            f"out-of-memory killer (`dmesg` says): this job needs at least {need / GiB:.1f} "
-            f"GiB before activations, {available_host_bytes() / GiB:.1f} GiB are available "
-            "now; try the memory features (--tiled-mlp --chunked-loss "
+            f"upipe train: the rank killed by SIGKILL {why}: this job needs at least "
+            f"{need / GiB:.1f} GiB before activations, {available_host_bytes() / GiB:.1f} GiB "
+            "are available now; try the memory features (--tiled-mlp --chunked-loss "
             "--activation-checkpoint), --fsdp, a shorter --seq-len or a smaller --model "
             "(upipe plan --device cpu plans it)",
             file=sys.stderr,

@@ -41,16 +41,52 @@ def state_bytes(cfg: TrainConfig, world: int) -> int:
     return state
 
 
-def available_host_bytes() -> int:
-    """Memory the kernel says it can give new processes now (MemAvailable), else all RAM."""
+# this process's memory cgroup, as containers mount it: cgroup v2, then v1
+CGROUP_V2, CGROUP_V1 = "/sys/fs/cgroup", "/sys/fs/cgroup/memory"
+
+
+def _read_ints(path: str) -> dict[str, int]:
+    """`name value` lines of a kernel file ({} if unreadable); a lone number as key ''."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        with open(path) as f:
+            words = [line.split() for line in f if line.strip()]
     except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return {}
+    out = {}
+    for w in words:
+        if len(w) == 1 and w[0].isdigit():
+            out[""] = int(w[0])
+        elif len(w) >= 2 and w[1].isdigit():  # ("MemAvailable:", "16301176", "kB")
+            out[w[0]] = int(w[1])
+    return out
+
+
+def available_host_bytes() -> int:
+    """Memory new processes can have now: the kernel's MemAvailable (else all RAM), capped
+    by what this process's memory cgroup (a container's limit) has left."""
+    meminfo = _read_ints("/proc/meminfo")
+    if "MemAvailable:" in meminfo:
+        free = meminfo["MemAvailable:"] * 1024
+    else:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit, usage in (
+        (f"{CGROUP_V2}/memory.max", f"{CGROUP_V2}/memory.current"),
+        (f"{CGROUP_V1}/memory.limit_in_bytes", f"{CGROUP_V1}/memory.usage_in_bytes"),
+    ):
+        cap, used = _read_ints(limit).get(""), _read_ints(usage).get("")
+        if cap is not None and used is not None:
+            return min(free, max(0, cap - used))
+    return free
+
+
+def oom_kills() -> int | None:
+    """How many processes the out-of-memory killer has killed in this memory cgroup so far
+    (its `oom_kill` count; None where the kernel does not say)."""
+    for path in (f"{CGROUP_V2}/memory.events", f"{CGROUP_V1}/memory.oom_control"):
+        count = _read_ints(path).get("oom_kill")
+        if count is not None:
+            return count
+    return None
 
 
 def check_fits(

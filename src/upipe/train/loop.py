@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -489,6 +490,11 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
     bar = writer = None
     if rank == 0:
         from tqdm import tqdm
+
+        # tqdm's default lock is a multiprocessing RLock, a named semaphore that leaks (and
+        # multiprocessing's resource tracker warns about it) when this rank is killed, as
+        # ranks are on Ctrl-C; the bar is written by this process alone, so a thread lock does
+        tqdm.set_lock(threading.RLock())
 
         for line in damaged:
             print(f"warning: skipped damaged checkpoint {line}", file=sys.stderr)
