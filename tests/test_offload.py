@@ -159,6 +159,7 @@ def test_no_block_input_stays_on_the_device_through_a_blocks_backward():
     assert peak(False) - peak(True) >= unit
 
 
+@pytest.mark.slow
 def test_planner_counts_the_arena():
     """The simulated step's host bytes are the offloader's arena: exactly n_layers x B x L x D
     in the training dtype (nothing rounded)."""
@@ -319,6 +320,7 @@ def test_segment_backward_order():
     assert log == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
 def test_segments_in_the_planner(offload):
     """Simulated step, 8 blocks of Llama3-8B's MLP ratio and head_dim, 4 query heads on 2 kv
