@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,hf,train,integrations,jax]'
 	touch $@
 
-.PHONY: train demo test test-explore lint
+.PHONY: train demo test test-fast test-explore lint
 train: $(VENV)/.installed
 	$(VENV)/bin/upipe train
 
@@ -25,6 +25,10 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(PY) -m pytest -q --durations=25
+
+# the edit loop: all but the tests marked slow (training runs, planner simulations, CLIs)
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow" -q --durations=10
 
 # property tests on new random examples (the default run draws fixed ones): SEED=n
 SEED ?= 0

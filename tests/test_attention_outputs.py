@@ -280,6 +280,7 @@ def test_library_errors():
         activation_checkpoint(torch.sin, x, attention_outputs="kept")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["upipe", "ulysses", "ring"])
 def test_time_model_counts_one_attention_forward(strategy):
     """The planner's counts of a checkpointed step with `keep` (tests/test_timing.py's closed
@@ -309,6 +310,7 @@ def test_time_model_counts_one_attention_forward(strategy):
         assert kept["send@0,1"] == n * (2 * kv + C * dkv)  # (recompute: 3 kv)
 
 
+@pytest.mark.slow
 def test_planner_counts_the_kept_outputs():
     """The simulated step (2 blocks of Llama3-8B's head shapes, 64K tokens on 2 ranks, bf16,
     checkpointed, inputs offloaded): offloaded, the kept outputs add exactly the formula's bytes per
@@ -337,6 +339,7 @@ def test_planner_counts_the_kept_outputs():
     assert rec.peak_bytes < keep.peak_bytes <= rec.peak_bytes + 2 * per_layer
 
 
+@pytest.mark.slow
 def test_feature_tokens_and_recommend():
     """`keep` and `aoff` in --features (upipe plan's grammar); `--recommend` picks kept
     attention outputs when they fit: the step without the recomputed attention forward is

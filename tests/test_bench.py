@@ -25,7 +25,9 @@ class WrongUlysses(UpipeMethod):
         return 1.5 * super().__call__(q_BLHd, k_BLGd, v_BLGd, causal=causal)
 
 
+@pytest.mark.slow
 def test_tiny_run(tmp_path):
+    pytest.importorskip("matplotlib")  # (its PNG is checked)
     cfg = BenchConfig(
         nproc=2,
         seq_lens=(64, 128),
@@ -85,6 +87,7 @@ class WrongLayer(UpipeLayer):
         return [*rest, 2 * dWo]
 
 
+@pytest.mark.slow
 def test_layer_mode(tmp_path):
     """--layer: upipe's strategies as ContextParallelAttention vs the float64 layer (y, dx
     and all weight gradients); a peer is skipped; a wrong weight gradient is caught."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from upipe.bench import BenchConfig, model_config, validate
 from upipe.bench.model import MODEL_METHODS, ModelMethod, drive
 from upipe.bench.run import judge
@@ -12,7 +14,9 @@ from upipe.bench.run import judge
 SMALL = dict(nproc=2, seq_lens=(512,), heads=8, kv_heads=2, head_dim=16, repeats=1, warmup=0)
 
 
+@pytest.mark.slow
 def test_every_method_agrees_with_the_unsharded_model(clusters):
+    pytest.importorskip("deepspeed")  # ALST's attention and tiled MLP
     cfg = model_config(BenchConfig(model=True, **SMALL))
     assert cfg.methods == MODEL_METHODS
     rows = drive(clusters(2).run, cfg, [ModelMethod(n) for n in cfg.methods])

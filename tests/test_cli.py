@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _upipe(*args, timeout=300):
     return subprocess.run(
@@ -11,11 +13,13 @@ def _upipe(*args, timeout=300):
     )
 
 
+@pytest.mark.slow
 def test_help():
     res = _upipe("--help")
     assert res.returncode == 0 and "demo" in res.stdout
 
 
+@pytest.mark.slow
 def test_demo_small(tmp_path):
     out = tmp_path / "demo.json"
     res = _upipe(
@@ -43,6 +47,7 @@ def test_demo_small(tmp_path):
         assert max(row["rel_err"].values()) < 1e-5
 
 
+@pytest.mark.slow
 def test_bad_option_is_a_message_not_a_traceback():
     res = _upipe("demo", "--nproc", "4", "--seq-lens", "1001")
     assert res.returncode == 2

@@ -36,6 +36,7 @@ def corpus(tmp_path):
 @pytest.fixture
 def hf_tokenizer_dir(tmp_path):
     """A byte-level BPE trained on TEXTS, saved as tokenizer.json + tokenizer_config.json."""
+    pytest.importorskip("tokenizers")  # (the `train` extra)
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -237,7 +238,7 @@ def test_eval_fraction_zero_keeps_the_stream(corpus):
 
 
 def test_saved_dataset_and_dataset_dict(tmp_path):
-    import datasets  # not skipped when missing: the Makefile installs it
+    datasets = pytest.importorskip("datasets")  # (the `train` extra)
 
     ds = datasets.Dataset.from_dict({"text": TEXTS, "id": list(range(len(TEXTS)))})
     ds.save_to_disk(str(tmp_path / "ds"))
@@ -260,7 +261,7 @@ def test_saved_dataset_and_dataset_dict(tmp_path):
 
 
 def test_saved_dataset_errors(tmp_path):
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     datasets.Dataset.from_dict({"content": ["a"]}).save_to_disk(str(tmp_path / "nocol"))
     with pytest.raises(ValueError, match=r"no \"text\" column \(columns: \['content'\]\)"):

@@ -50,6 +50,7 @@ def _one_line(message: str) -> str:
 def run(clusters, tmp_path_factory):
     """A 4-step run on 2 ranks, checkpoints after steps 2 and 4, a metrics file: its
     directory, config and losses."""
+    pytest.importorskip("tensorboard")  # (the `train` extra: the run writes its events)
     root = tmp_path_factory.mktemp("run")
     cfg = small_config(
         strategy="upipe", steps=4, checkpoint_dir=str(root / "ckpt"), checkpoint_every=2,
@@ -90,6 +91,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_data_file_is_named(run, tmp_path, damage):
     ckpt, _ = _copy(run, tmp_path)
@@ -101,6 +103,7 @@ def test_a_damaged_data_file_is_named(run, tmp_path, damage):
     assert f"{target.name} " in verify_checkpoint(step4) and message in verify_checkpoint(step4)
 
 
+@pytest.mark.slow
 def test_missing_metadata_or_checksums_is_named(run, tmp_path):
     ckpt, _ = _copy(run, tmp_path)
     os.remove(ckpt / STEP4 / ".metadata")
@@ -109,6 +112,7 @@ def test_missing_metadata_or_checksums_is_named(run, tmp_path):
     assert verify_checkpoint(ckpt / STEP2).startswith("no checksums.json")
 
 
+@pytest.mark.slow
 def test_resume_falls_back_to_the_newest_intact_checkpoint(clusters, run, tmp_path):
     """The newest checkpoint corrupt (4 KiB of random bytes in a data file), the metrics
     file's last line torn, a save killed before it was published: the resumed run warns,
@@ -140,6 +144,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(clusters, run, tmp_pa
     assert sorted(p.name for p in ckpt.iterdir()) == [STEP2, STEP4]
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_is_one_error_on_every_rank(clusters, run, tmp_path):
     ckpt, cfg = _copy(run, tmp_path)
     os.remove(ckpt / STEP4 / ".metadata")
@@ -152,6 +157,7 @@ def test_no_intact_checkpoint_is_one_error_on_every_rank(clusters, run, tmp_path
     )
 
 
+@pytest.mark.slow
 def test_a_failed_save_publishes_nothing_and_says_so(clusters, tmp_path):
     """A write that fails on one rank (a file-size limit, as a full disk): every rank
     raises the same one-line CheckpointError, and no checkpoint directory is published."""
@@ -169,6 +175,7 @@ def test_a_failed_save_publishes_nothing_and_says_so(clusters, tmp_path):
 # --------------------------------------------------------------------------- non-finite
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_stops_the_run_naming_the_step(clusters):
     cfg = small_config(strategy="upipe", steps=3)
     message = clusters(2).run(nan_gradient, cfg, 1)[0]
@@ -177,6 +184,7 @@ def test_nonfinite_gradient_stops_the_run_naming_the_step(clusters):
     ) and ", the gradient norm nan; stopped before the update" in _one_line(message)
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_steps_leaves_weights_and_optimizer_as_they_were(clusters):
     """--skip-nonfinite-steps: the step with a NaN gradient changes neither the weights nor
     the AdamW states (bit for bit), the learning rate moves on as in a run without the
@@ -194,6 +202,7 @@ def test_skip_nonfinite_steps_leaves_weights_and_optimizer_as_they_were(clusters
     assert 0 < res["last_loss"] < 6
 
 
+@pytest.mark.slow
 def test_skipped_steps_are_null_in_the_metrics_and_counted(clusters, tmp_path):
     metrics = tmp_path / "m.jsonl"
     cfg = small_config(
@@ -210,6 +219,7 @@ def test_skipped_steps_are_null_in_the_metrics_and_counted(clusters, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_on_the_command_line(tmp_path, capsys):
     """A learning rate of 1e30 makes step 2's loss or gradient norm NaN (which one depends
     on the batch: the corpus is the package's own sources, which change with every commit):
@@ -299,7 +309,7 @@ def test_skip_bad_records_counts_them_and_the_stream_leaves_them_out(tmp_path):
 
 
 def test_saved_dataset_rows_without_text(tmp_path):
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     datasets.Dataset.from_dict({"text": ["ab", None, "cd"]}).save_to_disk(str(tmp_path / "ds"))
     with pytest.raises(ValueError, match=rf"--data: {tmp_path / 'ds'}: a row with no text"):
@@ -415,6 +425,7 @@ def test_frozen_rank_is_named_after_the_timeout(short_timeout):
     assert "; rank 0 raised RuntimeError: " in summary and "Timed out" in summary
 
 
+@pytest.mark.slow
 def test_ranks_die_with_their_launcher(tmp_path):
     """kill -9 of the process that started the ranks ends them too (no orphans)."""
     script = (

@@ -13,6 +13,7 @@ from fsdp_offload_workers import steps_and_state, train_rows
 from train_workers import small_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: fp32 masters, mixed
 def test_offload_computes_what_fsdp_computes(clusters, dtype):
     """3 steps of 2 micro-batches, clipped, step 2's gradient poisoned with a NaN and
@@ -45,6 +46,7 @@ def test_offload_computes_what_fsdp_computes(clusters, dtype):
     assert 8 <= per_param[0] < 8.01 and all(16 <= b < 16.01 for b in per_param[1:]), per_param
 
 
+@pytest.mark.slow
 def test_offload_checkpoint_resume_and_hf_save(clusters, tmp_path):
     """`upipe.train.train` with --fsdp-offload and mixed precision: held-out losses and a
     Hugging Face save as without offload (the same bytes); a run killed after step 2 and
@@ -82,6 +84,7 @@ def test_offload_needs_fsdp():
     assert problem is not None and "add --fsdp" in problem
 
 
+@pytest.mark.slow
 def test_planner_counts_the_offloaded_state_as_host_memory():
     """`StepSimulator` (CUDA memory) of FSDP2 with fp32 masters and bf16 compute on 2 ranks,
     with and without --fsdp-offload. Let n be rank 0's shard of the parameters (FSDP pads
@@ -114,6 +117,7 @@ def test_planner_counts_the_offloaded_state_as_host_memory():
         assert on.host_peak_bytes >= state + 4 * n
 
 
+@pytest.mark.slow
 def test_simulated_offload_step_equals_a_real_one_on_cpu(clusters):
     """On the CPU the offloaded state is in the same memory as everything else (the device
     is the host): the simulator with CPU kernels and a real 2-rank step with --fsdp-offload

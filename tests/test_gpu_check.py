@@ -89,6 +89,7 @@ def _norm(name):
     return name.replace("_", "-").replace(".", "-").lower()
 
 
+@pytest.mark.slow
 def test_dry_run(tmp_path):
     """The whole command on the CPU, with the GPU machine's packages only: every part
     writes its rows, none fails, only kernels not installed here are skipped."""

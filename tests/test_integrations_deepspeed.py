@@ -3,13 +3,16 @@ modules on identical inputs, and both against the float64 attention of the whole
 
 from __future__ import annotations
 
-import deepspeed_workers as W
 import pytest
-import torch
-from conftest import TOL, TOL_SAME_KERNEL, rel_err
-from workers import make_qkv, reference
 
-from upipe.integrations.deepspeed import stage_heads
+pytest.importorskip("deepspeed")
+
+import deepspeed_workers as W  # noqa: E402
+import torch  # noqa: E402
+from conftest import TOL, TOL_SAME_KERNEL, rel_err  # noqa: E402
+from workers import make_qkv, reference  # noqa: E402
+
+from upipe.integrations.deepspeed import stage_heads  # noqa: E402
 
 TOL32 = TOL[torch.float32]
 MHA = dict(B=2, S=64, H=8, G=8, d=16)

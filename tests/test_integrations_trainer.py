@@ -19,6 +19,7 @@ import torch
 from conftest import TOL, rel_err
 
 pytest.importorskip("trl")
+pytest.importorskip("accelerate")  # (the `integrations` extra; accelerate launch)
 
 import trainer_workers as W  # noqa: E402
 
@@ -131,6 +132,7 @@ def _check_against(reference, runs):
         assert max(errors.values()) < TOL32["bwd"], (name, errors)
 
 
+@pytest.mark.slow
 def test_losses_and_checkpoints_match_the_unmodified_model(model_dir, reference, tmp_path):
     """Under torchrun, 2 ranks, UPipe, no memory features (the model returns the logits, its
     loss function is upipe's): the Trainer with the documents of a batch packed into one row
@@ -142,6 +144,7 @@ def test_losses_and_checkpoints_match_the_unmodified_model(model_dir, reference,
     _check_against(reference, runs)
 
 
+@pytest.mark.slow
 def test_memory_features_match_the_unmodified_model(reference, with_features):
     """The same with upipe's tiled MLP, chunked loss and checkpointing, 4 ranks, under
     accelerate launch, each step in 2 micro-batches (DDP's gradients averaged by the mixin at
@@ -155,6 +158,7 @@ def test_memory_features_match_the_unmodified_model(reference, with_features):
     assert calls == {"trainer": [2, 2], "sft": [2, 2]}  # forward + one recompute
 
 
+@pytest.mark.slow
 def test_checkpoint_with_memory_features_resumes(model_dir, with_features, tmp_path):
     """torchrun, 4 ranks, the Trainer with the features resumed from the step-2 checkpoint of
     the uninterrupted run: steps 3 and 4 give its losses, and the same weights at step 4."""

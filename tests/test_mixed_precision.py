@@ -11,6 +11,7 @@ from train_workers import small_config
 F32, BF16 = torch.float32, torch.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,kw,per_param,dtypes",
     [
@@ -37,6 +38,7 @@ def test_bytes_per_parameter(clusters, world, kw, per_param, dtypes):
     assert got == {"master": {master}, "compute": {compute}, "grad": {grad}, "optimizer": {optim}}
 
 
+@pytest.mark.slow
 def test_bf16_compute_with_fp32_masters_tracks_fp32(clusters):
     """40 steps at lr 1e-3 (one process, 512 tokens): bf16 compute with fp32 masters stays
     within half a bf16 ulp (2^-9 relative) of the fp32 loss at every step, which is as close
@@ -56,6 +58,7 @@ def test_bf16_compute_with_fp32_masters_tracks_fp32(clusters):
     assert fp32[-1] < fp32[0] - 1.5  # it trains
 
 
+@pytest.mark.slow
 def test_fsdp_mixed_precision_equals_masters_without_fsdp(clusters):
     """The two implementations compute the same thing: the same bf16 casts of the same fp32
     masters, gradients reduced in fp32 (they differ in the order of fp32 sums, which can
@@ -67,6 +70,7 @@ def test_fsdp_mixed_precision_equals_masters_without_fsdp(clusters):
     assert max(abs(a - b) / b for a, b in zip(fsdp, plain, strict=True)) < 1e-4
 
 
+@pytest.mark.slow
 def test_masters_with_recomputing_memory_features(clusters):
     """MasterWeights under the reentrant recomputation of the memory features (checkpointed
     blocks, tiled MLP, chunked loss re-run modules inside backward): every gradient still

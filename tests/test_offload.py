@@ -159,6 +159,7 @@ def test_no_block_input_stays_on_the_device_through_a_blocks_backward():
     assert peak(False) - peak(True) >= unit
 
 
+@pytest.mark.slow
 def test_planner_counts_the_arena():
     """The simulated step's host bytes are the offloader's arena: exactly n_layers x B x L x D
     in the training dtype (nothing rounded)."""
@@ -319,21 +320,25 @@ def test_segment_backward_order():
     assert log == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
 def test_segments_in_the_planner(offload):
-    """Simulated step, 8 blocks, Llama3-8B's head shapes, 64K tokens on 2 ranks, all memory
-    features: checkpoints of 2 blocks keep 4 inputs (+ 1 scratch slot with offload) where
-    single blocks keep 8. With offload the host arena shrinks from 8 to 5 slots and the
-    device peak does not change (the segment's gradient buffer is reused for its inner
-    block, see `features._Checkpoint`); without, 4 inputs fewer are saved, and a segment's
-    backward holds its second block's input besides: more than 2 [B, L, D] less (2.59
-    here: the peaks fall in different places of the blocks' backward)."""
+    """Simulated step, 8 blocks of Llama3-8B's MLP ratio and head_dim, 4 query heads on 2 kv
+    heads (few heads: a simulated step costs per operator, and each UPipe stage adds some;
+    the block inputs compared here are [B, L, D] whatever the heads), 64K tokens on 2
+    ranks, all memory features: checkpoints of 2 blocks keep 4 inputs (+ 1 scratch slot
+    with offload) where single blocks keep 8. With offload the host arena shrinks from 8 to
+    5 slots and the device peak does not change (the segment's gradient buffer is reused for
+    its inner block, see `features._Checkpoint`); without, 4 inputs fewer are saved, and a
+    segment's backward holds its second block's input besides: more than 2 [B, L, D] less
+    (3.0 here, 2.59 with Llama3-8B's 32 heads of 16: the peaks fall in different places of
+    the blocks' backward)."""
     from upipe.planner.step import StepSimulator
     from upipe.train import TrainConfig
 
     model = dataclasses.replace(
         get_config("llama3-8b"), n_layers=8, hidden_size=512, ffn_dim=1792,
-        head_dim=16, vocab_size=512,
+        n_heads=4, n_kv_heads=2, head_dim=128, vocab_size=512,
     )  # fmt: skip
     kw = dict(
         strategy="upipe", nproc=2, dtype="bfloat16", activation_checkpoint=True, offload=offload,

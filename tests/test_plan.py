@@ -61,6 +61,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,kw",
     [
@@ -97,6 +98,7 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
         assert memory(short) == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,world,kw",
     [
@@ -130,6 +132,7 @@ def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
         assert got.host_peak_bytes == max(m.host_peak_bytes for m in per_rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,kw", CASES)
 def test_simulated_peak_equals_real_run(clusters, strategy, kw):
     """Same config, 2 gloo ranks for real vs simulated under fake tensors (CPU kernels, as
@@ -137,6 +140,7 @@ def test_simulated_peak_equals_real_run(clusters, strategy, kw):
     assert_simulated_peak_equals_real(clusters, small_config(strategy=strategy, nproc=2, **kw))
 
 
+@pytest.mark.slow
 def test_plan_end_to_end_small():
     pc = PlanConfig(
         model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
@@ -153,6 +157,7 @@ def test_plan_end_to_end_small():
     assert "upipe U=2" in table(res)
 
 
+@pytest.mark.slow
 def test_plan_host_memory_budget_and_batch():
     """--host-memory-gib: offloaded block inputs must fit the host too; --batch-size 2
     fits shorter sequences."""
@@ -193,6 +198,7 @@ def test_heads_per_stage_defaults_to_C_and_2C():
     assert labels(gpus=8, heads_per_stage=(16, 32)) == ["upipe U=16", "upipe U=32"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model,strategy,features,fsdp",
     [
@@ -222,6 +228,7 @@ def test_plan_on_cpu_predicts_a_real_run(clusters, model, strategy, features, fs
     assert real <= res["budget_bytes"]
 
 
+@pytest.mark.slow
 def test_block_backward_units():
     """The squeezed block backward (docs/plan.md): Llama3-8B on 8 x 80 GiB with every memory
     feature, bf16 with fp32 masters: [L, D] bf16 units at the step's device peak (its growth

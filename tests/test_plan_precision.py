@@ -14,6 +14,7 @@ from upipe.planner.plan import PlanConfig, candidates, plan
 from upipe.planner.step import StepSimulator
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,kw",
     [
@@ -28,6 +29,7 @@ def test_simulated_mixed_precision_equals_real_run(clusters, strategy, kw):
     assert_simulated_peak_equals_real(clusters, cfg)
 
 
+@pytest.mark.slow
 def test_fp32_masters_double_the_persistent_state():
     """Sharded over 4 ranks: fp32 masters + AdamW states are 12 bytes per parameter against
     6 in all-bf16 (AdamW's step counters aside); in the optimizer phase, when every

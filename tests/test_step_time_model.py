@@ -31,6 +31,7 @@ def run(tmp_path_factory):
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_totals_are_the_sums_of_their_parts(run):
     _, doc = run
     assert len(doc["rows"]) == 8
@@ -59,6 +60,7 @@ def test_after_never_slower_and_ulysses_differs_only_in_syncs(scenario):
         assert new["syncs"] == 0 < old["syncs"]
 
 
+@pytest.mark.slow
 def test_printed_ratios_are_the_printed_steps_divided(run):
     stdout, doc = run
     steps = {

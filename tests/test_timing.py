@@ -73,6 +73,7 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,kw", CASES)
 def test_counts_equal_closed_forms(strategy, kw):
     counts = count_step(_config(strategy, **kw), C, MODEL, S, unit=UNIT, depths=(3, 4))
@@ -92,6 +93,7 @@ def test_counts_equal_closed_forms(strategy, kw):
         assert counts["device_to_host_bytes"] == counts["host_to_device_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_fsdp_bytes():
     """FSDP2, per step: each block's bf16 parameters all-gathered twice (forward, and again
     for its backward after resharding), the root's (embedding, final norm, head) once; the
@@ -112,6 +114,7 @@ def test_fsdp_bytes():
     assert counts["host_compute_bytes"] > 0 == counts["host_to_device_bytes"]
 
 
+@pytest.mark.slow
 def test_fits_are_exact_at_a_fourth_length_and_full_depth():
     """The parabola through three lengths and the line through two depths give what the
     full-depth model counts at a fourth length (every count, bytes included)."""
@@ -155,6 +158,7 @@ def recommended():
     return both, recommend(tight, rc), rc
 
 
+@pytest.mark.slow
 def test_recommend_picks_the_fastest_that_fits(recommended):
     both, tight, rc = recommended
     rows = {r["strategy"]: r for r in both["candidates"]}
@@ -187,6 +191,7 @@ def _parsed(command: str, gpus: int):
     return config_from_args(TrainConfig, ns)
 
 
+@pytest.mark.slow
 def test_printed_command_parses(recommended):
     both, _, rc = recommended
     pick = next(r for r in both["candidates"] if r["strategy"] == both["pick"])

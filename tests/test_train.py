@@ -45,6 +45,7 @@ def _check(res, ref):
         assert err < GRAD_TOL, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size,model,kw",
     [
@@ -72,6 +73,7 @@ def test_training_equals_one_process(clusters, reference, world_size, model, kw)
     _check(clusters(world_size).run(train_steps, cfg)[0], ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size,strategy,features",
     [
@@ -104,6 +106,7 @@ def test_memory_features_do_not_change_the_math(
     _check(clusters(world_size).run(train_steps, cfg)[0], reference("tiny"))
 
 
+@pytest.mark.slow
 def test_memory_features_save_memory(clusters):
     """Each feature lowers the per-rank peak of a step (one process, longer sequence)."""
     base = small_config(strategy="none", seq_len=1024, steps=1)
@@ -114,6 +117,7 @@ def test_memory_features_save_memory(clusters):
     assert peak(activation_checkpoint=True) < off
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_curve(clusters, tmp_path):
     import shutil
 
@@ -202,7 +206,9 @@ def _upipe(*args, timeout=600):
     )
 
 
+@pytest.mark.slow
 def test_cli_demo_path_small(tmp_path):
+    pytest.importorskip("matplotlib")  # (its PNG is checked)
     metrics, plot = tmp_path / "m.jsonl", tmp_path / "loss.png"
     res = _upipe(
         "train", "--nproc", "2", "--seq-len", "256", "--steps", "3", "--data",
@@ -216,6 +222,7 @@ def test_cli_demo_path_small(tmp_path):
     assert plot.stat().st_size > 1000 and "loss" in res.stdout
 
 
+@pytest.mark.slow
 def test_cli_bad_option_is_a_message():
     res = _upipe("train", "--nproc", "4", "--master-dtype", "bfloat16")
     assert res.returncode == 2 and "Traceback" not in res.stderr

@@ -34,6 +34,7 @@ def corpus(tmp_path_factory):
 def tokenizer_dir(tmp_path_factory):
     """A byte-level BPE (vocabulary 300) trained on the corpus, saved as a Hugging Face
     tokenizer directory; nothing is downloaded."""
+    pytest.importorskip("tokenizers")  # (the `train` extra)
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -65,6 +66,7 @@ def test_the_rows_hold_several_documents(corpus, tokenizer_dir):
     assert len(lengths) >= 6 and min(lengths) <= 4 and max(lengths) > 32, lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "kw"),
     [
@@ -82,6 +84,7 @@ def test_document_masked_training_equals_one_process(clusters, corpus, tokenizer
     _check(clusters(world).run(train_steps, small_config(**base, **kw))[0], ref)
 
 
+@pytest.mark.slow
 def test_document_mask_is_applied(clusters, corpus, tokenizer_dir):
     """Masking changes the losses (tokens no longer see other documents), and without it
     the run still equals one process."""
@@ -110,6 +113,7 @@ def _hf_llama(path, vocab_size):
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
+@pytest.mark.slow
 def test_hugging_face_weights_in_and_out(clusters, corpus, tokenizer_dir, tmp_path):
     """--init-from-hf: the first loss is transformers' loss of that model on the first batch;
     --save-hf: transformers loads the trained weights, bit for bit those of the same run

@@ -49,6 +49,7 @@ def odd_reference(clusters):
     return clusters(1).run(train_steps, small_config(strategy="none", seq_len=1001, steps=2))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
     [
@@ -67,6 +68,7 @@ def test_odd_length_equals_one_process(clusters, odd_reference, kw):
     _close(clusters(4).run(train_steps, cfg)[0], odd_reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,kw",
     [
@@ -108,6 +110,7 @@ def test_warmup_cosine_schedule():
     assert warmup_cosine(0, warmup=0, total=1, min_ratio=0.1) == 1.0  # one step: the peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
     [
@@ -127,6 +130,7 @@ def test_resume_with_schedule_accumulation_and_masters(clusters, tmp_path, kw):
     assert resumed == straight[2:]
 
 
+@pytest.mark.slow
 def test_resume_with_another_steps_keeps_or_replaces_the_schedule(clusters, tmp_path):
     """A run of 4 steps resumed with --steps 6 continues the checkpoint's cosine (its floor
     past step 4) and says so; --reschedule takes this run's 6-step cosine from step 4 on (the
@@ -160,6 +164,7 @@ def test_resume_with_another_steps_keeps_or_replaces_the_schedule(clusters, tmp_
     assert rows == straight
 
 
+@pytest.mark.slow
 def test_eval_metrics_and_tensorboard(clusters, tmp_path):
     """eval_loss every 2 steps and at the end, on the held-out documents (data.py's split:
     no token of them in a training batch); the lr of each step; the same scalars as
@@ -241,6 +246,7 @@ def test_loop_option_validation(kw, message):
     assert problem == message if message is None else message in problem
 
 
+@pytest.mark.slow
 def test_ranks_started_with_different_options_name_them(clusters):
     from loop_workers import train_with_rank_options
 
