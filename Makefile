@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,hf,train,integrations,jax]'
 	touch $@
 
-.PHONY: train demo test test-fast test-explore lint
+.PHONY: train demo test test-fast test-explore test-torch lint
 train: $(VENV)/.installed
 	$(VENV)/bin/upipe train
 
@@ -29,6 +29,24 @@ test: lint
 # the edit loop: all but the tests marked slow (training runs, planner simulations, CLIs)
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow" -q --durations=10
+
+# the fast tier on another torch release, each in its own venv (.venv-torch2.11.0 for
+# TORCH=2.11.0): PyPI's build of it (on Linux x86_64 the CUDA build, several GB with its nvidia-*
+# wheels; it runs on CPU) with upipe and its extras. PIP_CONSTRAINT=/dev/null replaces any
+# constraint file in pip's config (a machine-wide cap on torch would refuse newer releases),
+# for these installs only.
+TORCH ?=
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.11.0 (a release in >=2.11,<2.16)" >&2; exit 2; }
+	$(MAKE) .venv-torch$(TORCH)/.installed
+	.venv-torch$(TORCH)/bin/python -c "import torch; print('torch', torch.__version__)"
+	.venv-torch$(TORCH)/bin/python -m pytest -q -m "not slow" --durations=10
+
+.venv-torch%/.installed: pyproject.toml
+	python3 -m venv .venv-torch$*
+	PIP_CONSTRAINT=/dev/null .venv-torch$*/bin/python -m pip install --quiet torch==$*
+	PIP_CONSTRAINT=/dev/null .venv-torch$*/bin/python -m pip install --quiet -e '.[dev,hf,train,integrations,jax]' torch==$*
+	touch $@
 
 # property tests on new random examples (the default run draws fixed ones): SEED=n
 SEED ?= 0

@@ -234,10 +234,11 @@ def test_cudnn_ops_checked_against_the_arguments_upipe_passes(monkeypatch):
     assert forward is torch.ops.aten._scaled_dot_product_cudnn_attention.default
     assert backward is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
     name = "_scaled_dot_product_cudnn_attention"
-    monkeypatch.setitem(torch_private._CUDNN_SDPA_ARGS, name, ("query", "key", "value"))
-    torch_private.cudnn_sdpa_ops.cache_clear()
+    swapped = (("query", "value", "key"), ("scale",))  # as if a torch had reordered them
+    monkeypatch.setitem(torch_private._ATEN_ARGS, name, swapped)
+    torch_private.aten_op.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=f"aten::{name} takes .*kernels_cuda needs updating"):
+        with pytest.raises(RuntimeError, match=f"aten::{name} takes .*needs updating"):
             torch_private.cudnn_sdpa_ops()
     finally:
-        torch_private.cudnn_sdpa_ops.cache_clear()
+        torch_private.aten_op.cache_clear()

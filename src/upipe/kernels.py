@@ -58,6 +58,7 @@ import torch
 from upipe import kernels_cuda, kernels_select
 from upipe.kernels_cuda import expand_kv, sum_kv
 from upipe.kernels_select import CUDA_KERNELS, HALF, KERNELS, auto_kernel, kernel_problem
+from upipe.torch_private import aten_op
 
 __all__ = [
     "BACKENDS",
@@ -157,7 +158,7 @@ def attention_forward(q, k, v, *, causal=True, softmax_scale=None, backend=None)
     kernel = prepare_kernel(backend, q.device, q.dtype, q.shape[-1])
     scale = _scale(softmax_scale, q.shape[-1])
     if kernel == "cpu":
-        out_BHSd, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out_BHSd, lse_BHS = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
         )
         return out_BHSd.transpose(1, 2), lse_BHS
@@ -172,7 +173,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, softmax_scale=No
     kernel = prepare_kernel(backend, q.device, q.dtype, q.shape[-1])
     scale = _scale(softmax_scale, q.shape[-1])
     if kernel == "cpu":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             dout.transpose(1, 2),
             q.transpose(1, 2),
             k.transpose(1, 2),

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from upipe.torch_private import cudnn_lse_dims, cudnn_sdpa_ops
+from upipe.torch_private import aten_op, cudnn_lse_dims, cudnn_sdpa_ops
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -91,7 +91,7 @@ def _bhsd(*ts):
 
 def flash_forward(q, k, v, causal, scale):
     d = q.shape[-1]
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
+    res = aten_op("_scaled_dot_product_flash_attention")(
         *_bhsd(*pad8(q, k, v)), 0.0, causal, False, scale=scale
     )
     (out,) = unpad(d, res[0].transpose(1, 2))
@@ -102,7 +102,7 @@ def flash_backward(dout, q, k, v, out, lse, causal, scale):
     S, Sk, d = q.shape[1], k.shape[1], q.shape[-1]
     # rng state: read only with dropout (mha_bwd), ignored by FA3/FA4
     no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    dq, dk, dv = aten_op("_scaled_dot_product_flash_attention_backward")(
         *_bhsd(*pad8(dout, q, k, v, out)), lse, None, None, S, Sk, 0.0, causal, no_rng, no_rng,
         scale=scale,
     )  # fmt: skip
@@ -115,7 +115,7 @@ def flash_backward(dout, q, k, v, out, lse, causal, scale):
 def efficient_forward(q, k, v, causal, scale):
     H, d = q.shape[2], q.shape[-1]
     qp, kp, vp = pad8(q, expand_kv(k, H), expand_kv(v, H))
-    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+    res = aten_op("_scaled_dot_product_efficient_attention")(
         *_bhsd(qp, kp, vp), None, True, 0.0, causal, scale=scale
     )
     (out,) = unpad(d, res[0].transpose(1, 2))
@@ -128,7 +128,7 @@ def efficient_backward(dout, q, k, v, out, lse, causal, scale):
     pad = (-S) % 32  # the kernel reads its lse padded to a multiple of 32 queries
     lse_pad = torch.nn.functional.pad(lse, (0, pad)) if pad else lse  # (finite padding)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+    dq, dk, dv, _ = aten_op("_scaled_dot_product_efficient_attention_backward")(
         *_bhsd(dop, qp, kp, vp), None, op.transpose(1, 2), lse_pad, seed, seed, 0.0,
         [True, True, True, False], causal, scale=scale,
     )  # fmt: skip

@@ -79,7 +79,8 @@ import logging
 import re
 
 import torch
-import torch.nn.attention
+
+from upipe import torch_private
 
 log = logging.getLogger("upipe.kernels")
 
@@ -154,14 +155,12 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 def torch_flash_impls() -> tuple[str, ...]:
     """The flash impls torch can activate ("FA3", "FA4"); () for a torch without them."""
-    lister = getattr(torch.nn.attention, "list_flash_attention_impls", None)
-    return tuple(lister()) if lister is not None else ()
+    return torch_private.flash_impls()
 
 
 def active_flash_impl() -> str | None:
     """The flash impl active in this process ("FA3" / "FA4"), or None for torch's FA2."""
-    current = getattr(torch.nn.attention, "current_flash_attention_impl", None)
-    return current() if current is not None else None
+    return torch_private.active_flash_impl()
 
 
 def head_dim_limit(kernel: str, capability: tuple[int, int] | None) -> int | None:
@@ -319,7 +318,7 @@ def activate(kernel: str) -> None:
     problem = _conflict(kernel)
     if problem:
         raise ValueError(problem)
-    torch.nn.attention.activate_flash_attention_impl(want)
+    torch_private.activate_flash_impl(want)
     log.info(
         "upipe: activated %s process-wide (torch.nn.attention.activate_flash_attention_impl): "
         "torch's flash attention ops run %s in this process from now on",

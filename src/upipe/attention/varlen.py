@@ -51,6 +51,7 @@ import torch
 from upipe.kernels import _scale
 from upipe.kernels_cuda import pad8 as _pad8
 from upipe.kernels_cuda import unpad as _unpad
+from upipe.torch_private import aten_op
 
 VARLEN = ("flash", "fa3", "fa4")  # resolved kernels (fp16/bf16 only) with a varlen call
 
@@ -78,7 +79,7 @@ def forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale):
     B, P, u, d = q_BPud.shape
     cu, longest = _cum_seq(bounds, B, P, q_BPud.device)
     qp, kp, vp = (_packed(t) for t in _pad8(q_BPud, k_BPkd, v_BPkd))
-    out_Tud, lse_uT, *_ = torch.ops.aten._flash_attention_forward(
+    out_Tud, lse_uT, *_ = aten_op("_flash_attention_forward")(
         qp, kp, vp, cu, cu, longest, longest, 0.0, causal, False, scale=_scale(softmax_scale, d)
     )
     (out_BPud,) = _unpad(d, out_Tud.view(B, P, u, -1))
@@ -93,7 +94,7 @@ def backward(dout, q, k, v, out, lse_BuP, bounds, *, causal, softmax_scale):
     lse_uT = lse_BuP.transpose(0, 1).reshape(u, B * P)  # the forward's [u, T] (a view)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    dq, dk, dv = aten_op("_flash_attention_backward")(
         dop,
         qp,
         kp,

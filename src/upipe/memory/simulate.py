@@ -18,8 +18,8 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from upipe.torch_private import TorchDispatchMode, tree_leaves
 
 # c10d operator -> (collective, index of the argument whose bytes it counts)
 _C10D = {

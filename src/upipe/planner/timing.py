@@ -62,7 +62,6 @@ from fractions import Fraction
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
     flop_registry,
     sdpa_backward_flop_count,
@@ -74,6 +73,7 @@ from upipe.memory.simulate import CollectiveLog
 from upipe.memory.tracker import _plain_tensors
 from upipe.planner import step as step_module
 from upipe.planner.step import HOST_DEVICE, StepSimulator
+from upipe.torch_private import TorchDispatchMode
 
 _ATTN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _ATTN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
