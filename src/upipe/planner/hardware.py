@@ -100,8 +100,12 @@ class Hardware:
         if rate.forward is None or rate.backward is None:
             raise ValueError(
                 f"no published {kernel!r} attention rate on {self.name} ({rate.source}); "
-                f"measure it (benchmarks/gpu_check.py) and pass --rates-from gpu_check.json, "
-                f"or use a kernel with rates: {', '.join(self.rated())}"
+                "measure it (benchmarks/gpu_check.py) and pass --rates-from gpu_check.json"
+                + (
+                    f", or use a kernel with rates: {', '.join(self.rated())}"
+                    if self.rated()
+                    else f" (no kernel on {self.name} has published rates for both directions)"
+                )
             )
         return rate
 
