@@ -127,13 +127,15 @@ def test_fits_are_exact_at_a_fourth_length_and_full_depth():
 
 
 def test_time_model():
-    counts = {"gemm_flops": 650e12, "attention_forward_flops": 335e12}
-    counts.update(attention_backward_flops=600e12, memory_bytes=3e12, host_compute_bytes=0)
-    counts.update(host_to_device_bytes=50e9, device_to_host_bytes=50e9)
+    flash = H100.kernel_rate("flash")  # one second of forward, two of backward
+    counts = {"gemm_flops": H100.gemm, "attention_forward_flops": flash.forward}
+    counts.update(attention_backward_flops=2 * flash.backward, memory_bytes=H100.hbm)
+    counts.update(host_compute_bytes=0)
+    counts.update(host_to_device_bytes=H100.host_link, device_to_host_bytes=H100.host_link)
     counts.update(fsdp_host_to_device_bytes=0, fsdp_device_to_host_bytes=0)
-    counts["all_to_all@0,1,2,3,4,5,6,7"] = 8 * 200e9 / 7  # 7/8 leave the GPU: 1 s
-    counts["all_gather@0,1,2,3,4,5,6,7"] = 8 * 300e9 / 7  # 1 s, hidden behind compute
-    t = predict(counts, H100)
+    counts["all_to_all@0,1,2,3,4,5,6,7"] = 8 * H100.all_to_all / 7  # 7/8 leave the GPU: 1 s
+    counts["all_gather@0,1,2,3,4,5,6,7"] = 8 * H100.collective / 7  # 1 s, hidden behind compute
+    t = predict(counts, H100, "flash")
     assert (t["gemm"], t["attention"], t["memory_bound"]) == pytest.approx((1, 3, 1))
     assert (t["all_to_all"], t["fsdp_exposed"], t["device_to_host_exposed"]) == pytest.approx(
         (1, 0, 0)
@@ -141,7 +143,7 @@ def test_time_model():
     assert t["host_to_device"] == pytest.approx(1) and t["step"] == pytest.approx(7)
     counts["all_gather@0,1,2,3,4,5,6,7"] *= 6  # 6 s of FSDP behind 5 s of compute
     counts["all_to_all@0,8"] = 2 * H100.inter_node  # two nodes: off-node half at their rate
-    t = predict(counts, H100)
+    t = predict(counts, H100, "flash")
     assert t["fsdp_exposed"] == pytest.approx(1) and t["all_to_all"] == pytest.approx(2)
 
 
@@ -210,9 +212,14 @@ def test_printed_command_parses(recommended):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--recommend", "--seq-len", "4096", "--hardware", "b200"], "invalid choice: 'b200'"),
+        (["--recommend", "--seq-len", "4096", "--hardware", "mi300x"], "invalid choice: 'mi300x'"),
+        (
+            ["--recommend", "--seq-len", "4096", "--hardware", "a100", "--attention-kernel", "fa3"],
+            "'fa3' does not run on a100",
+        ),
         (["--recommend"], "--recommend needs --seq-len"),
         (["--seq-len", "4096"], "add --recommend"),
+        (["--rates-from", "gpu_check.json"], "--rates-from times what --recommend plans for"),
         (["--recommend", "--seq-len", "4096", "--dtype", "float32"], "use --dtype bfloat16"),
     ],
 )
@@ -223,5 +230,5 @@ def test_errors(args, message, capsys):
 
 
 def test_unknown_hardware():
-    with pytest.raises(ValueError, match="unknown hardware 'b200': use one of h100, h200, a100"):
-        get_hardware("b200")
+    with pytest.raises(ValueError, match="unknown hardware 'mi300x': use one of h100, h200, a1"):
+        get_hardware("mi300x")

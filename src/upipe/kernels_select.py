@@ -272,22 +272,27 @@ def auto_kernel(device: torch.device, dtype: torch.dtype, head_dim=None, *, docu
     return _auto(device, dtype, head_dim, documents, active_flash_impl())
 
 
+def auto_order(major: int, dtype: torch.dtype, active: str | None = None) -> list[str]:
+    """The kernels `auto` tries, in order, on a GPU of compute capability major `major` for
+    `dtype` (module doc; `active`: the flash impl already active). The first that can run
+    wins (`_auto`); the planner takes the first one torch ships (`upipe.planner.hardware`)."""
+    if dtype not in HALF:
+        return ["efficient"]
+    if active is not None:
+        return [active.lower()]
+    if major == 9:
+        return ["fa3", "cudnn", "flash", "efficient"]
+    if major == 10:
+        return ["fa4", "cudnn", "flash", "efficient"]
+    if major >= 8:
+        return ["flash_attn", "flash", "efficient"]
+    return ["efficient"]
+
+
 @functools.cache
 def _auto(device, dtype, head_dim, documents, active) -> str:
     ok = lambda k: kernel_problem(k, device, dtype, head_dim) is None  # noqa: E731
-    major = device_capability(device)[0]
-    if dtype not in HALF:
-        line = ["efficient"]
-    elif active is not None:
-        line = [active.lower()]
-    elif major == 9:
-        line = ["fa3", "cudnn", "flash", "efficient"]
-    elif major == 10:
-        line = ["fa4", "cudnn", "flash", "efficient"]
-    elif major >= 8:
-        line = ["flash_attn", "flash", "efficient"]
-    else:
-        line = ["efficient"]
+    line = auto_order(device_capability(device)[0], dtype, active)
     if documents:
         line = [k for k in line if k != "cudnn"]
     for kernel in line:

@@ -30,7 +30,7 @@ def add_command(sub) -> None:
 def _handle(ns, parser) -> int:
     pc = config_from_args(planner.PlanConfig, ns)
     rc = config_from_args(recommender.RecommendConfig, ns)
-    if rc.recommend or rc.seq_len is not None:
+    if rc.recommend or rc.seq_len is not None or rc.rates_from is not None:
         return _recommend(pc, rc, parser)
     if pc.gpus < 1 or pc.granularity < 1 or pc.gpu_memory_gib <= 0:
         parser.error("--gpus, --granularity and --gpu-memory-gib must be positive")
@@ -50,7 +50,8 @@ def _handle(ns, parser) -> int:
 
 def _recommend(pc, rc, parser) -> int:
     if not rc.recommend:
-        parser.error("--seq-len is the length --recommend plans for: add --recommend")
+        what = "--seq-len is the length" if rc.seq_len is not None else "--rates-from times what"
+        parser.error(f"{what} --recommend plans for: add --recommend")
     if pc.plot:
         parser.error("--plot draws the longest-context search: leave it out with --recommend")
     if pc.features == planner.PlanConfig().features:  # not given: the grid

@@ -23,8 +23,9 @@ import math
 import time
 
 from upipe.planner import plan
+from upipe.planner.hardware import HARDWARE, get_hardware, resolve_kernel, with_measured_rates
 from upipe.planner.step import StepSimulator
-from upipe.planner.timing import HARDWARE, count_step, get_hardware, predict
+from upipe.planner.timing import count_step, predict
 from upipe.train.config import TrainConfig, padded_length, validate
 
 GiB = plan.GiB
@@ -53,13 +54,26 @@ class RecommendConfig:
     seq_len: int | None = None
     """Tokens per sequence for --recommend."""
     hardware: str = dataclasses.field(default="h100", metadata={"choices": tuple(HARDWARE)})
-    """GPU whose rates the time model uses (--recommend; see upipe.planner.timing)."""
+    """GPU whose rates the time model uses (--recommend; h100 and a100 SXM, h200, b200; the
+    rates and their sources: upipe.planner.hardware). The attention rates are those of
+    --attention-kernel on it (auto: the kernel torch's own build picks there for bf16: cudnn
+    on h100, h200 and b200, flash on a100)."""
+    rates_from: str | None = None
+    """A gpu_check.json (benchmarks/gpu_check.py --out, run on a GPU of --hardware's model):
+    its measured attention rates per kernel and host-to-device copy rate replace the
+    published ones where it has them."""
 
 
 def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
     """Every candidate of `pc` at `rc.seq_len` (fits?, counts, predicted time), the pick and
     its command, JSON-ready. `progress(label)` is called after each candidate."""
     hw, N = get_hardware(rc.hardware), rc.seq_len
+    if rc.rates_from:
+        hw = with_measured_rates(hw, rc.rates_from)
+    kernel = resolve_kernel(pc.attention_kernel, hw)
+    hw.kernel_rate(kernel)  # (a kernel without rates is refused before any simulation)
+    named = {} if pc.attention_kernel == "auto" else {"attention_kernel": kernel}
+    pc = dataclasses.replace(pc, attention_kernel=kernel)  # the memory of the kernel timed
     if N is None or N < 1:
         raise ValueError(f"--recommend needs --seq-len N >= 1 (tokens per sequence), got {N}")
     if pc.dtype != "bfloat16":
@@ -97,9 +111,10 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
     fit = [r for r in todo if r["fits"]]
     for row in fit:
         cfg = TrainConfig(**row["train_config"], plot=None)
-        row["seconds"] = predict(row["counts"], hw)
+        row["seconds"] = predict(row["counts"], hw, kernel)
         dp = cfg.degrees(pc.gpus)[0]
         row["tokens_per_s"] = cfg.batch_size * N * dp / row["seconds"]["step"]
+        row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / pc.gpus
     fit.sort(key=lambda r: r["seconds"]["step"])
     rows = (
         fit
@@ -111,11 +126,14 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
         "config": dataclasses.asdict(pc),
         "seq_len": N,
         "hardware": dataclasses.asdict(hw),
+        "attention_kernel": kernel,
+        "attention_rates": dataclasses.asdict(hw.kernel_rate(kernel)),
         "budget_bytes": budget,
         "candidates": rows,
         "fastest": fit[0]["strategy"] if fit else None,
         "pick": pick and pick["strategy"],
-        "command": pick and torchrun_command(pick["train_config"], pc.gpus, N, hw.gpus_per_node),
+        "command": pick
+        and torchrun_command({**pick["train_config"], **named}, pc.gpus, N, hw.gpus_per_node),
     }
     return out
 
@@ -199,9 +217,10 @@ def table(res: dict) -> str:
         f"{c['model']} on {c['gpus']} x {hw['name']} ({c['gpu_memory_gib']:g} GiB, "
         f"{res['budget_bytes'] / GiB:g} GiB of tensors; {c['host_memory_gib']:g} GiB host "
         f"memory per GPU), {res['seq_len']:,} tokens per sequence; predicted by the "
-        f"{hw['name']} time model (not validated on a GPU)",
+        f"{hw['name']} time model, {res['attention_kernel']} attention (not validated on a GPU)",
         f"{'candidate':38} {'fits':>4} {'peak GiB':>8} {'host GiB':>8} {'step s':>9} "
-        f"{'tokens/s':>9} {'attn s':>8} {'gemm s':>7} {'a2a s':>6} {'h2d s':>6}  why not",
+        f"{'tokens/s':>9} {'/GPU':>7} {'attn s':>8} {'gemm s':>7} {'a2a s':>6} {'h2d s':>6}"
+        "  why not",
     ]
     for r in res["candidates"]:
         if r["problem"]:
@@ -210,11 +229,14 @@ def table(res: dict) -> str:
         cells = f"{r['strategy']:38} {'yes' if r['fits'] else 'no':>4} "
         cells += f"{r['peak_bytes'] / GiB:8.1f} {r['host_bytes'] / GiB:8.1f} "
         if not r["fits"]:
-            lines.append(f"{cells}{'':>9} {'':>9} {'':>8} {'':>7} {'':>6} {'':>6}  {r['reason']}")
+            lines.append(
+                f"{cells}{'':>9} {'':>9} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6}  {r['reason']}"
+            )
             continue
         t = r["seconds"]
         lines.append(
-            f"{cells}{t['step']:9,.1f} {r['tokens_per_s']:9,.0f} {t['attention']:8,.1f} "
+            f"{cells}{t['step']:9,.1f} {r['tokens_per_s']:9,.0f} "
+            f"{r['tokens_per_s_per_gpu']:7,.1f} {t['attention']:8,.1f} "
             f"{t['gemm']:7.1f} {t['all_to_all']:6.2f} {t['host_to_device']:6.2f}"
         )
     if res["pick"]:

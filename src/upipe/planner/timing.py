@@ -22,7 +22,9 @@ with S^2), so the three lengths fix the parabola and the two depths the line, bo
 rational arithmetic; `tests/test_timing.py` checks the result against closed forms and
 against a fourth length and a third depth.
 
-Time model (`predict`), per rank, with the rates of a `Hardware` preset:
+Time model (`predict`), per rank, with the rates of a `Hardware` preset
+(`upipe.planner.hardware`: every rate with its source; R_fwd and R_bwd those of the chosen
+attention kernel on that GPU):
     compute   = F_gemm / R_gemm + F_attn_fwd / R_fwd + F_attn_bwd / R_bwd + B_mem / W_hbm
     step      = compute + t_a2a + t_allreduce + t_h2d + t_host + max(0, t_fsdp - compute)
                 + max(0, t_p2p - t_attn) + max(0, t_d2h - compute) + max(0, t_fsdp_copies - compute)
@@ -72,6 +74,16 @@ from torch.utils.flop_counter import (
 from upipe.memory.simulate import CollectiveLog
 from upipe.memory.tracker import _plain_tensors
 from upipe.planner import step as step_module
+from upipe.planner.hardware import (  # noqa: F401  (the presets, also reached from here)
+    A100,
+    B200,
+    H100,
+    H200,
+    HARDWARE,
+    Hardware,
+    get_hardware,
+    resolve_kernel,
+)
 from upipe.planner.step import HOST_DEVICE, StepSimulator
 from upipe.torch_private import TorchDispatchMode
 
@@ -259,93 +271,6 @@ def count_step(cfg, world: int, model, seq_len: int, *, unit: int, depths, kerne
     return out
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """The rates the time model assumes for one GPU model (achieved, not peak, where a
-    source gives both), each with its source. Per GPU unless said otherwise."""
-
-    name: str
-    gemm: float
-    """bf16 dense GEMM FLOP/s (cuBLAS, large shapes)."""
-    attention_forward: float
-    """Causal flash-attention forward FLOP/s (d = 128, long sequences)."""
-    attention_backward: float
-    """Causal flash-attention backward FLOP/s (the five products counted)."""
-    hbm: float
-    """Device memory bytes/s of memory-bound kernels."""
-    all_to_all: float
-    """Bytes/s one GPU sends into an all-to-all inside a node (NVLink)."""
-    collective: float
-    """All-gather / reduce-scatter / all-reduce bus bytes/s inside a node (NVLink)."""
-    p2p: float
-    """Bytes/s of ring attention's send to the next rank inside a node (NVLink)."""
-    inter_node: float
-    """Bytes/s per GPU between nodes (its network adapter)."""
-    gpus_per_node: int = 8
-    """GPUs that share NVLink: a process group with ranks on several nodes crosses the
-    network (ranks r and r' share a node iff r // gpus_per_node == r' // gpus_per_node)."""
-    host_link: float
-    """Host <-> device bytes/s per GPU, page-locked memory, each direction."""
-    host_memory: float
-    """Host memory bytes/s per GPU for work on host tensors (an optimizer step on the CPU:
-    the node's DRAM bandwidth shared by its GPUs' processes)."""
-
-
-# H100 SXM5 80GB: compute, HBM and NVLink rates as in benchmarks/step_time_model.py (same
-# sources): 989 TFLOP/s bf16 dense peak x ~0.66 (NVIDIA datasheet); FlashAttention-2 on H100
-# as measured in the FlashAttention-3 paper (arXiv 2407.08608): 335 TFLOP/s causal forward,
-# 322 non-causal backward (causal a little slower: 300); HBM3 3.35 TB/s x 0.9; NCCL's NVLink4
-# ceiling ~370 GB/s bus bandwidth (NVIDIA/nccl-tests#212): ~55% in an all-to-all of 4-34 MB
-# per peer with its layout copies, 300 GB/s for large all-gathers / reduce-scatters and, our
-# estimate, for a ring's send to its neighbour. Host link PCIe Gen5 x16: 64 GB/s raw per
-# direction, ~50 GB/s pinned copies (`upipe.model.offload`'s figure). Between nodes one
-# 400 Gb/s ConnectX-7 per GPU (DGX H100): 50 GB/s x 0.8. Host memory: 2 x 8 channels of
-# DDR5-4800 (DGX H100: 614 GB/s per node) / 8 GPUs x ~0.6 for a streaming update.
-H100 = Hardware(
-    name="h100",
-    gemm=650e12,
-    attention_forward=335e12,
-    attention_backward=300e12,
-    hbm=3.0e12,
-    all_to_all=200e9,
-    collective=300e9,
-    p2p=300e9,
-    inter_node=40e9,
-    host_link=50e9,
-    host_memory=45e9,
-)
-# H200 SXM 141GB: the H100's compute die, clocks and NVLink4 (NVIDIA H200 datasheet: the same
-# 989 TFLOP/s bf16 dense, 900 GB/s NVLink), so the same compute and link rates; HBM3e
-# 4.8 TB/s x 0.9. (Flash attention at d = 128 is compute-bound: its rate is the H100's.)
-H200 = dataclasses.replace(H100, name="h200", hbm=4.3e12)
-# A100 SXM4 80GB: 312 TFLOP/s bf16 dense peak x ~0.7 (NVIDIA datasheet); FlashAttention-2
-# paper (arXiv 2307.08691): forward up to 73% of peak, backward lower; 190 / 165 TFLOP/s
-# causal at d = 128 is our reading of its A100 figures, not a measurement; HBM2e 2.04 TB/s
-# x 0.9; NVLink3 600 GB/s (2/3 of NVLink4): the H100's achieved rates x 2/3; PCIe Gen4 x16:
-# 32 GB/s raw, ~25 pinned; one 200 Gb/s ConnectX-6 per GPU (DGX A100): 25 GB/s x 0.8; host
-# memory 2 x 8 channels of DDR4-3200 (DGX A100: 410 GB/s per node) / 8 GPUs x ~0.6.
-A100 = Hardware(
-    name="a100",
-    gemm=220e12,
-    attention_forward=190e12,
-    attention_backward=165e12,
-    hbm=1.8e12,
-    all_to_all=133e9,
-    collective=200e9,
-    p2p=200e9,
-    inter_node=20e9,
-    host_link=25e9,
-    host_memory=30e9,
-)
-HARDWARE = {hw.name: hw for hw in (H100, H200, A100)}
-
-
-def get_hardware(name: str) -> Hardware:
-    if name not in HARDWARE:
-        raise ValueError(f"unknown hardware {name!r}: use one of {', '.join(HARDWARE)}")
-    return HARDWARE[name]
-
-
 def _collective_seconds(op: str, ranks: list[int], nbytes: int, hw: Hardware) -> float:
     """Seconds of one rank's share of a step's collectives of one kind on one group (module
     doc): inside a node at NVLink's rates, across nodes at the inter-node link's."""
@@ -364,12 +289,15 @@ def _collective_seconds(op: str, ranks: list[int], nbytes: int, hw: Hardware) ->
     return nbytes * share / rate
 
 
-def predict(counts: dict[str, int], hw: Hardware) -> dict[str, float]:
-    """Seconds per training step on one rank by part (module doc); "step" is their total."""
+def predict(counts: dict[str, int], hw: Hardware, kernel: str = "auto") -> dict[str, float]:
+    """Seconds per training step on one rank by part (module doc), the attention at the rates
+    of `kernel` on `hw` (`hardware.resolve_kernel`: auto is the stock kernel auto picks
+    there); "step" is their total."""
+    rate = hw.kernel_rate(resolve_kernel(kernel, hw))
     t = {
         "gemm": counts["gemm_flops"] / hw.gemm,
-        "attention": counts["attention_forward_flops"] / hw.attention_forward
-        + counts["attention_backward_flops"] / hw.attention_backward,
+        "attention": counts["attention_forward_flops"] / rate.forward
+        + counts["attention_backward_flops"] / rate.backward,
         "memory_bound": counts["memory_bytes"] / hw.hbm,
     }
     compute = sum(t.values())
