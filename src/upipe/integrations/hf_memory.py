@@ -25,8 +25,13 @@ run the same code (`upipe.model.features`, `upipe.loss`, `upipe.model.offload`):
   with transformers' `num_items_in_batch` this rank's sum over that count. Without labels
   the model returns logits as before (`logits_to_keep` included).
 - With `tiled_mlp` or `activation_checkpoint` the layers' first norm and the final norm
-  keep only their input for backward (`recomputed`: transformers' Python RMSNorm would
-  keep its output too, and in bf16 fp32 copies of its input).
+  keep only their input for backward, and run (and are recomputed in backward) in tiles of
+  `mlp_tile` tokens, as the MLP does (`features.tiled_recompute`). transformers' RMSNorm is
+  Python: its backward over all L tokens holds six fp32 `[L, D]` temporaries (pow, the
+  products, the fp32 copy; the planner found them at the peak of the HF path: 52.5 of 74.8
+  GiB for Llama-3.1-8B at 4.6M tokens on 8 GPUs), where CUDA's fused norm keeps x and one
+  scalar per row; in tiles they are `[mlp_tile, D]`. The norm is row-wise, so the tiles
+  compute the same values as the whole.
 - `activation_checkpoint`: the decoder layers are checkpointed by upipe (one input kept per
   checkpoint of `blocks_per_checkpoint` layers; `features.activation_checkpoint`).
   `offload`: on CUDA those inputs live in one page-locked host arena (`Offloader`), but the
@@ -307,7 +312,7 @@ def _decoder_layer(layer, memory: HFMemory, hidden_states, position_embeddings=N
     x_BLD = hidden_states
     kwargs.pop("attention_mask", None)  # None here (see the module doc)
     attn_BLD, _ = layer.self_attn(
-        hidden_states=recomputed(layer.input_layernorm, x_BLD),
+        hidden_states=tiled_recompute(layer.input_layernorm, x_BLD, memory.options.mlp_tile),
         position_embeddings=position_embeddings,
         attention_mask=None,
         **kwargs,
@@ -318,37 +323,6 @@ def _decoder_layer(layer, memory: HFMemory, hidden_states, position_embeddings=N
     if not opt.tiled_mlp:
         return h_BLD + layer.mlp(layer.post_attention_layernorm(h_BLD))
     return tiled_recompute(functools.partial(_mlp_rows, layer), h_BLD, opt.mlp_tile, residual=True)
-
-
-def recomputed(fn, x_BLD: torch.Tensor) -> torch.Tensor:
-    """fn(x) saving only x, recomputed in backward: for transformers' RMSNorm, whose Python
-    forward keeps its normalised output (and in bf16 fp32 copies of x: 3 [B, L, D] bf16
-    tensors in all) for backward, where CUDA's fused norm would keep x and one scalar per
-    row. The same operators run, in forward and in the recomputation, so values and
-    gradients are those of the norm itself. Without grad, fn(x)."""
-    if not (torch.is_grad_enabled() and x_BLD.requires_grad):
-        return fn(x_BLD)
-    return _Recomputed.apply(x_BLD, fn)
-
-
-class _Recomputed(torch.autograd.Function):
-    """y = fn(x), only x saved; backward recomputes fn with grad (parameter gradients
-    accumulate into .grad, as in `upipe.model.features`' recomputations)."""
-
-    @staticmethod
-    def forward(ctx, x_BLD, fn):
-        ctx.fn = fn
-        ctx.save_for_backward(x_BLD)
-        return fn(x_BLD)
-
-    @staticmethod
-    def backward(ctx, dy_BLD):
-        (x_BLD,) = ctx.saved_tensors
-        x_BLD = x_BLD.detach().requires_grad_()
-        with torch.enable_grad():
-            y_BLD = ctx.fn(x_BLD)
-        torch.autograd.backward(y_BLD, dy_BLD)
-        return x_BLD.grad, None
 
 
 def _mlp_rows(layer, h_BTD):
@@ -381,7 +355,7 @@ def _decoder_stack(
     layers = list(base.layers[: base.config.num_hidden_layers])
     x_BLD = memory.run_layers(base, layers, x_BLD, (cos_sin, position_ids, kwargs))
     if _upipe_final_norm:
-        x_BLD = recomputed(base.norm, x_BLD)
+        x_BLD = tiled_recompute(base.norm, x_BLD, memory.options.mlp_tile)
     return BaseModelOutputWithPast(last_hidden_state=x_BLD)
 
 
