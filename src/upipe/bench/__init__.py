@@ -75,7 +75,21 @@ class BenchConfig:
     model: bool = False
     """Benchmark a whole Hugging Face model's training step (`upipe.bench.model`): DeepSpeed
     ALST's attention against upipe's ulysses, upipe and the ALST drop-in, each also with
-    ALST's tiled MLP; --methods from those (default: all of them). CPU, fp32."""
+    ALST's tiled MLP, and each side's whole memory stack (alst-full, upipe-full, and
+    upipe-train: upipe's own model); --methods from those (default: all of them). CPU, fp32."""
+    vocab_size: int = 256
+    """--model: vocabulary V of the model (a real one: >= 32000)."""
+    mlp_size: int = 0
+    """--model: MLP width (intermediate_size; 0: twice the width H * d)."""
+    layers: int = 2
+    """--model: decoder layers."""
+    checkpointing: bool = False
+    """--model: every method checkpoints its decoder layers (transformers' gradient
+    checkpointing; upipe's activation_checkpoint for upipe-full and upipe-train)."""
+    mlp_tile: int = 1024
+    """--model: tokens per MLP tile of alst-full, upipe-full and upipe-train."""
+    loss_chunk: int = 1024
+    """--model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -126,6 +140,11 @@ def _model_problem(cfg: BenchConfig) -> str | None:
     unknown = set(model_config(cfg).methods) - set(MODEL_METHODS)
     if unknown:
         return f"--model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
+    least = {"vocab_size": 2, "mlp_size": 0, "layers": 1, "mlp_tile": 1, "loss_chunk": 1}
+    for name, low in least.items():
+        if getattr(cfg, name) < low:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} must be >= {low}, got {getattr(cfg, name)}"
     return None
 
 

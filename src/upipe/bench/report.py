@@ -41,7 +41,10 @@ def _fmt(x, spec):
 
 
 def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | None) -> str:
-    """One block per sequence length, then the skipped methods with their reasons."""
+    """One block per sequence length, then the skipped methods with their reasons. Rows of
+    `upipe bench --model` (with `add_growth`'s "kib_per_added_token") also show that and the
+    loss's own error."""
+    model = any("kib_per_added_token" in r for r in rows)
     lines = [header]
     if ref:
         lines.append(
@@ -51,8 +54,11 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
         lines += [
             "",
             f"S = {S}",
-            f"{'method':<20}{'peak MiB':>10}{'[B,L,D]':>9}{'median s':>10}{'max err':>9}"
-            f"{'mem #':>6}{'time #':>7}{'mem ratio':>11}{'time ratio':>11}",
+            f"{'method':<20}{'peak MiB':>10}{'[B,L,D]':>9}"
+            + (f"{'KiB/token':>10}" if model else "")
+            + f"{'median s':>10}"
+            + (f"{'loss err':>9}" if model else "")
+            + f"{'max err':>9}{'mem #':>6}{'time #':>7}{'mem ratio':>11}{'time ratio':>11}",
         ]
         for r in (r for r in rows if r["seq_len"] == S):
             tail = (
@@ -60,9 +66,13 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
                 if r["correct"]
                 else f"  WRONG: error {r['max_rel_err']:.1e} > {r['tolerance']:.0e}, not ranked"
             )
+            growth = _fmt(r.get("kib_per_added_token"), ".2f") if model else None
             lines.append(
                 f"{r['method']:<20}{r['peak_mib']:>10.1f}{r['peak_units_BLD']:>9.2f}"
-                f"{_fmt(r['median_seconds'], '.2f'):>10}{r['max_rel_err']:>9.1e}"
+                + (f"{growth:>10}" if model else "")
+                + f"{_fmt(r['median_seconds'], '.2f'):>10}"
+                + (f"{r['rel_err']['loss']:>9.1e}" if model else "")
+                + f"{r['max_rel_err']:>9.1e}"
                 f"{_fmt(r['rank_memory'], 'd'):>6}{_fmt(r['rank_time'], 'd'):>7}"
                 f"{_fmt(r['ref_over_this_memory'], '.3f'):>11}"
                 f"{_fmt(r['ref_over_this_time'], '.3f'):>11}{tail}"
@@ -126,6 +136,20 @@ def result_row(seq_len: int, name: str, measured: dict, seconds: list, unit: int
         "rel_err": measured["rel_err"],
         "max_rel_err": max(measured["rel_err"].values()),
     }
+
+
+def add_growth(rows: list[dict], nproc: int) -> None:
+    """Add to each row from a method's second length on "kib_per_added_token": the growth
+    of its per-rank peak (max over the ranks) from the method's previous length, in KiB per
+    token added to each rank's shard, (peak(S) - peak(S')) / 1024 / ((S - S') / nproc);
+    None at the first length."""
+    for name in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["seq_len"])
+        mine[0]["kib_per_added_token"] = None
+        for prev, r in zip(mine, mine[1:], strict=False):
+            added = (r["seq_len"] - prev["seq_len"]) / nproc
+            grown = max(r["peak_bytes_per_rank"]) - max(prev["peak_bytes_per_rank"])
+            r["kib_per_added_token"] = grown / 1024 / added
 
 
 def publish(doc: dict, skipped: dict, cfg, say, *, header: str, ref, title: str) -> None:
