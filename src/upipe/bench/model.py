@@ -51,7 +51,13 @@ from torch.utils.checkpoint import checkpoint
 import upipe
 from upipe.bench import report
 from upipe.bench.peers import TESTED, installed_version
-from upipe.bench.recipes import FULL_METHODS, build_full, full_context, full_loss
+from upipe.bench.recipes import (
+    FULL_METHODS,
+    build_full,
+    full_context,
+    full_loss,
+    gradient_checkpointing,
+)
 
 MODEL_METHODS = (
     "alst",
@@ -128,9 +134,7 @@ class ModelMethod:
             for layer in model.model.layers:
                 layer.mlp.forward = _TiledForward(layer.mlp)
         if shape.checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            gradient_checkpointing(model)
         return model
 
     def step(self, model, batch, group) -> torch.Tensor:

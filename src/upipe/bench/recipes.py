@@ -44,8 +44,14 @@ from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mea
 FULL_METHODS = ("alst-full", "upipe-full", "upipe-train")
 
 
-def _gradient_checkpointing(model) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def gradient_checkpointing(model) -> None:
+    """transformers' checkpointing of every decoder layer, non-reentrant (its
+    `activation_checkpointing_enable`; `gradient_checkpointing_enable` before 5.x)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def build_full(name: str, base, group, shape, register, tiled_forward):
@@ -72,7 +78,7 @@ def build_full(name: str, base, group, shape, register, tiled_forward):
             activation_checkpoint=shape.checkpointing,
         )
     if shape.checkpointing:
-        _gradient_checkpointing(model)
+        gradient_checkpointing(model)
     return model
 
 
