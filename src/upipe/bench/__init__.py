@@ -90,6 +90,10 @@ class BenchConfig:
     """--model: tokens per MLP tile of alst-full, upipe-full and upipe-train."""
     loss_chunk: int = 1024
     """--model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
+    reference_up_to: int = 0
+    """--model: check the losses and gradients against the unsharded model at the lengths
+    up to this one only (0: at every length; the one-process reference costs about as much
+    as a method's step)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -120,8 +124,9 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return f"--seq-lens {bad} must be multiples of 2 * nproc = {2 * nproc}; try {fix}"
     if cfg.heads % cfg.kv_heads:
         return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
-    if cfg.repeats < 1 or cfg.warmup < 0:
-        return f"--repeats must be >= 1 and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
+    least = 0 if cfg.model else 1  # --model: the tracked step's time is reported as well
+    if cfg.repeats < least or cfg.warmup < 0:
+        return f"--repeats must be >= {least} and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
     if cfg.attention_kernel != "auto" and cfg.device != "cuda":
         return f"--attention-kernel {cfg.attention_kernel} runs on CUDA (--device cuda)"
     if cfg.model:
@@ -140,7 +145,14 @@ def _model_problem(cfg: BenchConfig) -> str | None:
     unknown = set(model_config(cfg).methods) - set(MODEL_METHODS)
     if unknown:
         return f"--model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
-    least = {"vocab_size": 2, "mlp_size": 0, "layers": 1, "mlp_tile": 1, "loss_chunk": 1}
+    least = {
+        "vocab_size": 2,
+        "mlp_size": 0,
+        "layers": 1,
+        "mlp_tile": 1,
+        "loss_chunk": 1,
+        "reference_up_to": 0,
+    }
     for name, low in least.items():
         if getattr(cfg, name) < low:
             flag = "--" + name.replace("_", "-")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import time
 
@@ -273,8 +274,9 @@ def step_setup(rank, world_size, shape: ModelShape, methods, max_positions: int)
     _STATE["models"] = {m.name: (m, m.build(_STATE["base"], group)) for m in methods}
 
 
-def step_inputs(rank, world_size, S: int):
-    """This length's batch (the same on every rank) and its block; rank 0: the reference."""
+def step_inputs(rank, world_size, S: int, check: bool = True):
+    """This length's batch (the same on every rank) and its block; rank 0: the reference
+    (if `check`)."""
     from upipe.integrations.hf import shard_batch
 
     shape = _STATE["shape"]
@@ -283,7 +285,8 @@ def step_inputs(rank, world_size, S: int):
     _STATE["batch"] = shard_batch(ids_BS, group=dist.group.WORLD)
     _STATE["few"] = shard_batch(ids_BS[:, : 8 * world_size], group=dist.group.WORLD)
     _STATE["reference"] = None
-    if rank == 0:
+    _STATE["check"] = check
+    if rank == 0 and check:
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, world_size))  # the other ranks wait meanwhile
         _STATE["reference"] = reference(_STATE["base"], ids_BS)
@@ -293,18 +296,21 @@ def step_inputs(rank, world_size, S: int):
 
 def step_measure(rank, world_size, name: str) -> dict:
     """One tracked step of `name` after a warm-up on a few tokens; rank 0 returns the peaks
-    of every rank and the errors of the loss and of the summed gradients."""
+    and seconds of every rank and (with a reference) the errors of the loss and of the
+    summed gradients."""
     group, batch = dist.group.WORLD, _STATE["batch"]
     method, model = _STATE["models"][name]
     method.step(model, _STATE["few"], group)  # warm-up: caches, connections, the tracker
     model.zero_grad(set_to_none=True)
     dist.barrier()
+    t0 = time.perf_counter()
     with upipe.MemoryTracker() as mem:
         loss = method.step(model, batch, group)
-    peaks = [None] * world_size
-    dist.all_gather_object(peaks, mem.peak_bytes, group=group)
+    seconds = time.perf_counter() - t0
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (mem.peak_bytes, seconds), group=group)
     errors = {}
-    for n, p in model.named_parameters():
+    for n, p in model.named_parameters() if _STATE["check"] else ():
         dist.all_reduce(p.grad, group=group)  # each rank holds its tokens' share
         if rank == 0:
             ref = _STATE["reference"][1][n]
@@ -312,11 +318,19 @@ def step_measure(rank, world_size, name: str) -> dict:
     model.zero_grad(set_to_none=True)
     if rank != 0:
         return {}
-    ref_loss = _STATE["reference"][0]
-    return {
-        "peak_bytes_per_rank": peaks,
-        "rel_err": {"loss": abs(loss.item() - ref_loss) / ref_loss, "grads": max(errors.values())},
+    out = {
+        "peak_bytes_per_rank": [peak for peak, _ in everyone],
+        "tracked_step_seconds": max(s for _, s in everyone),
+        "loss": loss.item(),
+        "rel_err": {},
     }
+    if _STATE["check"]:
+        ref_loss = _STATE["reference"][0]
+        out["rel_err"] = {
+            "loss": abs(loss.item() - ref_loss) / ref_loss,
+            "grads": max(errors.values()),
+        }
+    return out
 
 
 def step_round(rank, world_size, names: list[str]) -> dict[str, float]:
@@ -332,19 +346,24 @@ def step_round(rank, world_size, names: list[str]) -> dict[str, float]:
     return seconds
 
 
-def drive(run, cfg, methods, tick=lambda text: None) -> list[dict]:
-    """Rows of the table, one per (sequence length, method), through `run(fn, *args)`."""
+def drive(run, cfg, methods, tick=lambda text: None, partial=lambda rows: None) -> list[dict]:
+    """Rows of the table, one per (sequence length, method), through `run(fn, *args)`;
+    `partial(rows)` after each method's memory step (the rows so far, unjudged)."""
     shape = model_shape(cfg)
     run(step_setup, shape, methods, max(cfg.seq_lens))
     tick("set up")
     names, rows = [m.name for m in methods], []
     for S in cfg.seq_lens:
-        run(step_inputs, S)
-        tick(f"S={S}: reference")
+        check = not cfg.reference_up_to or cfg.reference_up_to >= S
+        run(step_inputs, S, check)
+        tick(f"S={S}: reference" if check else f"S={S}: inputs (no reference)")
+        unit = cfg.batch_size * (S // cfg.nproc) * cfg.heads * cfg.head_dim * 4  # [B, L, D] fp32
         measured = {}
         for name in names:
             measured[name] = run(step_measure, name)[0]
             tick(f"S={S}: {name} memory+error")
+            done = [report.result_row(S, n, measured[n], [], unit) for n in measured]
+            partial(rows + done)
         rounds = {name: [] for name in names}
         for i in range(cfg.warmup + cfg.repeats):
             per_rank = run(step_round, names)
@@ -352,7 +371,6 @@ def drive(run, cfg, methods, tick=lambda text: None) -> list[dict]:
                 for name in names:
                     rounds[name].append(max(r[name] for r in per_rank))
             tick(f"S={S}: round {i + 1}")
-        unit = cfg.batch_size * (S // cfg.nproc) * cfg.heads * cfg.head_dim * 4  # [B, L, D] fp32
         for name in names:
             rows.append(report.result_row(S, name, measured[name], rounds[name], unit))
     report.add_growth(rows, cfg.nproc)
@@ -400,8 +418,13 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
         bar.set_postfix_str(text)
         bar.update()
 
-    with LocalCluster(cfg.nproc, timeout_s=3600, pg_timeout_s=600) as cluster:
-        rows = drive(cluster.run, cfg, methods, tick)
+    def partial(rows):  # what a run stopped midway leaves: the rows measured so far
+        if cfg.json:
+            with open(cfg.json, "w") as f:
+                json.dump({"config": dataclasses.asdict(cfg), "partial": True, "results": rows}, f)
+
+    with LocalCluster(cfg.nproc, timeout_s=3600 * 4, pg_timeout_s=3600) as cluster:
+        rows = drive(cluster.run, cfg, methods, tick, partial)
     bar.close()
     ran = {m.name for m in methods}
     ref = next((n for n in ("alst", "alst-full") if n in ran), None)
@@ -418,9 +441,15 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
         f"{'on' if cfg.checkpointing else 'off'}{tiles}; one training step (forward, loss, "
         f"backward); peak = per-rank max of tensors allocated in the step ([B,L,D] = one "
         f"[B, S/{cfg.nproc}, {D}] fp32 tensor); KiB/token = growth of that peak from the "
-        f"previous length per token added to a rank; median of {cfg.repeats} interleaved "
-        "rounds; loss err, max err = relative error of the loss, and of the loss and the "
-        "summed gradients, vs the unsharded model on one process"
+        f"previous length per token added to a rank; step s = the tracked step's time (the "
+        f"slowest rank's; under the tracker); median of {cfg.repeats} interleaved rounds; "
+        "loss err, max err = relative error of the loss, and of the loss and the summed "
+        "gradients, vs the unsharded model on one process"
+        + (
+            f" (checked up to S = {cfg.reference_up_to}; -: not checked)"
+            if cfg.reference_up_to
+            else ""
+        )
     )
     doc = {
         "config": dataclasses.asdict(cfg),
