@@ -23,9 +23,8 @@ of them per process); no mask function, so transformers builds no mask, as ALST'
 drops it.
 
 For each sequence length: rank 0 runs the unsharded model on the full sequence (fp32, sdpa;
-its loss in checkpointed chunks of REFERENCE_CHUNK tokens, so no `[S, V]` logits are held:
-one chunk, transformers' own loss, when S <= REFERENCE_CHUNK) for the reference loss and
-gradients; each method then runs one step under
+its loss in checkpointed chunks of REFERENCE_CHUNK tokens, so no `[S, V]` logits are held)
+for the reference loss and gradients (if S <= --reference-up-to, or always); each method then runs one step under
 `upipe.MemoryTracker` (per-rank peak of the tensors allocated in the step: activations,
 communication buffers, logits, gradients; the weights excluded), its loss and its gradients
 summed over the ranks are compared with the reference, and `warmup` + `repeats` interleaved
@@ -235,8 +234,8 @@ def _ce_sum(lm_head, h_BTD, labels_BT):
 
 def reference(base, ids_BS):
     """The unsharded model's loss and gradients on the full sequence: its decoder, then its
-    `lm_head` and transformers' loss (fp32 cross-entropy summed, over the count of labels) in
-    checkpointed chunks of REFERENCE_CHUNK tokens (one chunk: exactly transformers' loss)."""
+    `lm_head` and transformers' loss (fp32 cross-entropy summed, over the count of labels:
+    its `fixed_cross_entropy`) in checkpointed chunks of REFERENCE_CHUNK tokens."""
     from upipe.loss import count_valid, shift_labels
 
     model = copy.deepcopy(base)
