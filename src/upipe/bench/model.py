@@ -24,11 +24,12 @@ drops it.
 
 For each sequence length: rank 0 runs the unsharded model on the full sequence (fp32, sdpa;
 its loss in checkpointed chunks of REFERENCE_CHUNK tokens, so no `[S, V]` logits are held)
-for the reference loss and gradients (if S <= --reference-up-to, or always); each method then runs one step under
-`upipe.MemoryTracker` (per-rank peak of the tensors allocated in the step: activations,
-communication buffers, logits, gradients; the weights excluded), its loss and its gradients
-summed over the ranks are compared with the reference, and `warmup` + `repeats` interleaved
-timed rounds follow (a round's time is the slowest rank's; the median is reported).
+for the reference loss and gradients (if S <= --reference-up-to, or always); each method
+then runs one step under `upipe.MemoryTracker` (per-rank peak of the tensors allocated in
+the step: activations, communication buffers, logits, gradients; the weights excluded; its
+time is kept too), its loss and its gradients summed over the ranks are compared with the
+reference, and `warmup` + `repeats` interleaved timed rounds follow (a round's time is the
+slowest rank's; the median is reported).
 Ratios are against `alst` (else `alst-full`). One memory unit is one `[B, L, D]` fp32 tensor;
 "KiB/token" (from the second length on) is the growth of the per-rank peak from the previous
 length, per token added to each rank's shard: (peak(S) - peak(S')) / ((S - S') / C), what
