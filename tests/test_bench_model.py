@@ -7,11 +7,25 @@ import dataclasses
 
 import pytest
 
-from upipe.bench import BenchConfig, model_config, validate
+from upipe.bench import BenchConfig, model_config, run_bench, validate
 from upipe.bench.model import MODEL_METHODS, ModelMethod, drive
+from upipe.bench.recipes import FULL_METHODS
+from upipe.bench.report import add_growth, table
 from upipe.bench.run import judge
 
 SMALL = dict(nproc=2, seq_lens=(512,), heads=8, kv_heads=2, head_dim=16, repeats=1, warmup=0)
+# the whole recipes at two lengths: a vocabulary above the width, tiles and chunks of 64 of a
+# rank's 128 / 256 tokens, checkpointing on
+FULL = dict(
+    SMALL,
+    seq_lens=(256, 512),
+    methods=FULL_METHODS,
+    vocab_size=320,
+    mlp_size=96,
+    checkpointing=True,
+    mlp_tile=64,
+    loss_chunk=64,
+)
 
 
 @pytest.mark.slow
@@ -31,9 +45,66 @@ def test_every_method_agrees_with_the_unsharded_model(clusters):
     assert peak["upipe+tiled-mlp"] < peak["alst+tiled-mlp"]
 
 
+@pytest.mark.slow
+def test_whole_recipes_agree_with_the_unsharded_model(clusters):
+    """alst-full (ALST's attention, TiledMLP, TiledFusedLogitsLoss, HF checkpointing),
+    upipe-full (apply_context_parallel's stack) and upipe-train (upipe's own model)."""
+    pytest.importorskip("deepspeed")
+    cfg = BenchConfig(model=True, **FULL)
+    assert validate(cfg, 2) is None
+    rows = drive(clusters(2).run, cfg, [ModelMethod(n) for n in cfg.methods])
+    judge(rows, "float32", "alst-full")
+    assert [(r["seq_len"], r["method"]) for r in rows] == [
+        (S, m) for S in (256, 512) for m in FULL_METHODS
+    ]
+    for r in rows:  # loss and summed gradients vs one process: fp32 rounding
+        assert r["correct"] and r["max_rel_err"] < 1e-5, r
+        assert r["rel_err"]["loss"] <= 1e-6, r
+    at = {(r["seq_len"], r["method"]): r for r in rows}
+    for m in FULL_METHODS:  # the growth column: from the peaks, per token added to a rank
+        assert at[256, m]["kib_per_added_token"] is None
+        grown = max(at[512, m]["peak_bytes_per_rank"]) - max(at[256, m]["peak_bytes_per_rank"])
+        assert at[512, m]["kib_per_added_token"] == pytest.approx(grown / 1024 / 128)
+        assert at[512, m]["kib_per_added_token"] > 0
+    assert "KiB/token" in table(rows, {}, header="h", ref="alst-full")
+    # upipe's stack holds less than ALST's at each length (fused staged attention, no
+    # normalised [L, D] before the loss)
+    for S in (256, 512):
+        assert at[S, "upipe-full"]["peak_mib"] < at[S, "alst-full"]["peak_mib"]
+
+
+def test_growth_is_the_peak_difference_over_the_tokens_added():
+    MiB = 2**20
+    rows = [
+        {"seq_len": S, "method": m, "peak_bytes_per_rank": [p, p - MiB]}
+        for m, peaks in {
+            "a": (10 * MiB, 12 * MiB, 20 * MiB),
+            "b": (5 * MiB, 5 * MiB, 6 * MiB),
+        }.items()
+        for S, p in zip((1024, 2048, 4096), peaks, strict=True)
+    ]
+    add_growth(rows, 4)
+    got = {(r["method"], r["seq_len"]): r["kib_per_added_token"] for r in rows}
+    assert got["a", 1024] is None and got["b", 1024] is None
+    assert got["a", 2048] == 2 * 1024 / 256 and got["a", 4096] == 8 * 1024 / 512
+    assert got["b", 2048] == 0 and got["b", 4096] == 1024 / 512
+
+
 def test_model_options_are_checked():
     assert "--model runs on CPU ranks in float32" in validate(
         BenchConfig(model=True, layer=True, **SMALL), 2
     )
     cfg = dataclasses.replace(BenchConfig(model=True, **SMALL), methods=("upipe", "ring"))
     assert "--model: unknown methods ['ring']" in validate(cfg, 2)
+
+    for option, value, message in (
+        ("vocab_size", 1, "--vocab-size must be >= 2, got 1"),
+        ("mlp_size", -1, "--mlp-size must be >= 0, got -1"),
+        ("layers", 0, "--layers must be >= 1, got 0"),
+        ("mlp_tile", 0, "--mlp-tile must be >= 1, got 0"),
+        ("loss_chunk", -4, "--loss-chunk must be >= 1, got -4"),
+    ):
+        bad = BenchConfig(model=True, **{**FULL, option: value})
+        assert validate(bad, 2) == message
+        with pytest.raises(ValueError, match=message):  # before any rank is spawned
+            run_bench(bad, quiet=True)

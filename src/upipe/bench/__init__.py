@@ -75,7 +75,25 @@ class BenchConfig:
     model: bool = False
     """Benchmark a whole Hugging Face model's training step (`upipe.bench.model`): DeepSpeed
     ALST's attention against upipe's ulysses, upipe and the ALST drop-in, each also with
-    ALST's tiled MLP; --methods from those (default: all of them). CPU, fp32."""
+    ALST's tiled MLP, and each side's whole memory stack (alst-full, upipe-full, and
+    upipe-train: upipe's own model); --methods from those (default: all of them). CPU, fp32."""
+    vocab_size: int = 256
+    """--model: vocabulary V of the model (a real one: >= 32000)."""
+    mlp_size: int = 0
+    """--model: MLP width (intermediate_size; 0: twice the width H * d)."""
+    layers: int = 2
+    """--model: decoder layers."""
+    checkpointing: bool = False
+    """--model: every method checkpoints its decoder layers (transformers' gradient
+    checkpointing; upipe's activation_checkpoint for upipe-full and upipe-train)."""
+    mlp_tile: int = 1024
+    """--model: tokens per MLP tile of alst-full, upipe-full and upipe-train."""
+    loss_chunk: int = 1024
+    """--model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
+    reference_up_to: int = 0
+    """--model: check the losses and gradients against the unsharded model at the lengths
+    up to this one only (0: at every length; the one-process reference costs about as much
+    as a method's step)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -106,8 +124,9 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return f"--seq-lens {bad} must be multiples of 2 * nproc = {2 * nproc}; try {fix}"
     if cfg.heads % cfg.kv_heads:
         return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
-    if cfg.repeats < 1 or cfg.warmup < 0:
-        return f"--repeats must be >= 1 and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
+    least = 0 if cfg.model else 1  # --model: the tracked step's time is reported as well
+    if cfg.repeats < least or cfg.warmup < 0:
+        return f"--repeats must be >= {least} and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
     if cfg.attention_kernel != "auto" and cfg.device != "cuda":
         return f"--attention-kernel {cfg.attention_kernel} runs on CUDA (--device cuda)"
     if cfg.model:
@@ -126,6 +145,18 @@ def _model_problem(cfg: BenchConfig) -> str | None:
     unknown = set(model_config(cfg).methods) - set(MODEL_METHODS)
     if unknown:
         return f"--model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
+    least = {
+        "vocab_size": 2,
+        "mlp_size": 0,
+        "layers": 1,
+        "mlp_tile": 1,
+        "loss_chunk": 1,
+        "reference_up_to": 0,
+    }
+    for name, low in least.items():
+        if getattr(cfg, name) < low:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} must be >= {low}, got {getattr(cfg, name)}"
     return None
 
 

@@ -4,43 +4,61 @@ attention, DeepSpeed ALST's beside upipe's, on identical inputs in the same proc
 Legend: B batch, S full sequence, L = S / C local tokens, D = H*d model width, H query heads,
 G kv heads, d head dim, V vocabulary, C ranks.
 
-The model: a `LlamaForCausalLM` from a config (LAYERS layers, D = H*d, MLP width 2D, a byte
-vocabulary), the same random weights on every rank. Its step: forward on this rank's block
-of the sequence (`upipe.integrations.hf.shard_batch`), the loss (`causal_lm_loss`: mean over
-the whole sequence), backward. The methods (MODEL_METHODS):
+The model: a `LlamaForCausalLM` from a config (--layers layers, D = H*d, MLP width --mlp-size,
+default 2D, a vocabulary of --vocab-size), the same random weights on every rank; with
+--checkpointing every method checkpoints its decoder layers. Its step: forward on this rank's
+block of the sequence (`upipe.integrations.hf.shard_batch`), the loss (`causal_lm_loss`: mean
+over the whole sequence), backward. The methods (MODEL_METHODS):
   alst            DeepSpeed's ALST attention, `UlyssesSPAttentionHF` (as its
                   `register_with_transformers` builds it) around transformers' sdpa
   upipe-ulysses   `apply_context_parallel(strategy="ulysses")`
   upipe           `apply_context_parallel(strategy="upipe")`: the fused UPipe module
   upipe-dropin    `upipe.integrations.deepspeed.UPipeSPAttentionHF`, the drop-in for ALST's
   ...+tiled-mlp   the same with ALST's `TiledMLP` in every MLP, ceil(L / D) tiles (ALST's rule)
+  alst-full, upipe-full, upipe-train   each side's whole memory stack, tiles and chunks of
+                  --mlp-tile / --loss-chunk tokens (`upipe.bench.recipes`)
 Each ALST-style module is registered with transformers' `AttentionInterface` under its own
 name (what `register_with_transformers` does by overriding "sdpa", which would allow only one
 of them per process); no mask function, so transformers builds no mask, as ALST's wrapper
 drops it.
 
-For each sequence length: rank 0 runs the unsharded model on the full sequence (fp32, sdpa)
-for the reference loss and gradients; each method then runs one step under
-`upipe.MemoryTracker` (per-rank peak of the tensors allocated in the step: activations,
-communication buffers, logits, gradients; the weights excluded), its loss and its gradients
-summed over the ranks are compared with the reference, and `warmup` + `repeats` interleaved
-timed rounds follow (a round's time is the slowest rank's; the median is reported).
-Ratios are against `alst`. One memory unit is one `[B, L, D]` fp32 tensor.
+For each sequence length: rank 0 runs the unsharded model on the full sequence (fp32, sdpa;
+its loss in checkpointed chunks of REFERENCE_CHUNK tokens, so no `[S, V]` logits are held)
+for the reference loss and gradients (if S <= --reference-up-to, or always); each method
+then runs one step under `upipe.MemoryTracker` (per-rank peak of the tensors allocated in
+the step: activations, communication buffers, logits, gradients; the weights excluded; its
+time is kept too), its loss and its gradients summed over the ranks are compared with the
+reference, and `warmup` + `repeats` interleaved timed rounds follow (a round's time is the
+slowest rank's; the median is reported).
+Ratios are against `alst` (else `alst-full`). One memory unit is one `[B, L, D]` fp32 tensor;
+"KiB/token" (from the second length on) is the growth of the per-rank peak from the previous
+length, per token added to each rank's shard: (peak(S) - peak(S')) / ((S - S') / C), what
+decides the longest context, free of fixed costs.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import upipe
 from upipe.bench import report
 from upipe.bench.peers import TESTED, installed_version
+from upipe.bench.recipes import (
+    FULL_METHODS,
+    build_full,
+    full_context,
+    full_loss,
+    gradient_checkpointing,
+)
 
 MODEL_METHODS = (
     "alst",
@@ -50,10 +68,10 @@ MODEL_METHODS = (
     "upipe+tiled-mlp",
     "upipe-dropin",
     "upipe-dropin+tiled-mlp",
+    *FULL_METHODS,
 )
 TILED = "+tiled-mlp"
-LAYERS = 2
-VOCAB = 256
+REFERENCE_CHUNK = 4096
 _STATE: dict = {}
 
 
@@ -66,6 +84,13 @@ class ModelShape:
     G: int
     d: int
     seed: int
+    vocab: int = 256
+    mlp: int = 0
+    """MLP width F (0: 2D)."""
+    layers: int = 2
+    checkpointing: bool = False
+    mlp_tile: int = 1024
+    loss_chunk: int = 1024
 
 
 class ModelMethod:
@@ -76,7 +101,12 @@ class ModelMethod:
             raise ValueError(f"unknown model method {name!r}; choose from {MODEL_METHODS}")
         self.name, self.attention = name, name.removesuffix(TILED)
         self.peer = "deepspeed" if name.startswith("alst") else None
-        self.needs_deepspeed = name.endswith(TILED) or self.attention in ("alst", "upipe-dropin")
+        self.needs_deepspeed = name.endswith(TILED) or self.attention in (
+            "alst",
+            "alst-full",
+            "upipe-dropin",
+        )
+        self.full = name in FULL_METHODS
 
     def version(self) -> str:
         return (installed_version(self.peer) or "") if self.peer else upipe.__version__
@@ -90,6 +120,9 @@ class ModelMethod:
 
     def build(self, base, group):
         """This method's copy of the base model, converted."""
+        shape = _STATE["shape"]
+        if self.full:
+            return build_full(self.name, base, group, shape, _register, _TiledForward)
         model = copy.deepcopy(base)
         if self.attention in ("upipe", "upipe-ulysses"):
             from upipe.integrations.hf import apply_context_parallel
@@ -101,7 +134,24 @@ class ModelMethod:
         if self.name.endswith(TILED):
             for layer in model.model.layers:
                 layer.mlp.forward = _TiledForward(layer.mlp)
+        if shape.checkpointing:
+            gradient_checkpointing(model)
         return model
+
+    def step(self, model, batch, group) -> torch.Tensor:
+        """One training step (forward, loss, backward) on this rank's block; the loss."""
+        from upipe.integrations.hf import causal_lm_loss
+
+        if self.full:
+            shape = _STATE["shape"]
+            with full_context(self.name, shape):
+                objective, loss = full_loss(self.name, model, batch, group, shape)
+                objective.backward()
+            return loss.detach()
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = causal_lm_loss(logits, batch["labels"], group=group)
+        loss.backward()
+        return loss.detach()
 
 
 def _register(model, name: str, group) -> None:
@@ -139,10 +189,11 @@ def _register(model, name: str, group) -> None:
 
 
 class _TiledForward:
-    """ALST's `TiledMLP` around a transformers MLP, as ALST's docstring patches LlamaMLP."""
+    """ALST's `TiledMLP` around a transformers MLP, as ALST's docstring patches LlamaMLP:
+    ceil(L / tile) tiles, `tile` tokens (None: ALST's rule, tiles of D tokens)."""
 
-    def __init__(self, mlp):
-        self.mlp = mlp
+    def __init__(self, mlp, tile: int | None = None):
+        self.mlp, self.tile = mlp, tile
 
     @staticmethod
     def _mlp(mlp, x):
@@ -151,7 +202,7 @@ class _TiledForward:
     def __call__(self, x):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-        shards = math.ceil(x.shape[-2] / x.shape[-1])
+        shards = math.ceil(x.shape[-2] / (self.tile or x.shape[-1]))
         params = [self.mlp.gate_proj.weight, self.mlp.up_proj.weight, self.mlp.down_proj.weight]
         return TiledMLP.apply(self._mlp, self.mlp, x, shards, params)
 
@@ -163,12 +214,12 @@ def base_model(shape: ModelShape, max_positions: int):
     D = shape.H * shape.d
     config = LlamaConfig(
         hidden_size=D,
-        intermediate_size=2 * D,
+        intermediate_size=shape.mlp or 2 * D,
         num_attention_heads=shape.H,
         num_key_value_heads=shape.G,
         head_dim=shape.d,
-        num_hidden_layers=LAYERS,
-        vocab_size=VOCAB,
+        num_hidden_layers=shape.layers,
+        vocab_size=shape.vocab,
         max_position_embeddings=max_positions,
         attn_implementation="sdpa",
         use_cache=False,
@@ -177,13 +228,31 @@ def base_model(shape: ModelShape, max_positions: int):
     return LlamaForCausalLM(config).float().train()
 
 
-def _step(model, batch, group):
-    from upipe.integrations.hf import causal_lm_loss
+def _ce_sum(lm_head, h_BTD, labels_BT):
+    logits = lm_head(h_BTD).float()
+    return F.cross_entropy(logits.flatten(0, 1), labels_BT.flatten(), reduction="sum")
 
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    loss = causal_lm_loss(logits, batch["labels"], group=group)
+
+def reference(base, ids_BS):
+    """The unsharded model's loss and gradients on the full sequence: its decoder, then its
+    `lm_head` and transformers' loss (fp32 cross-entropy summed, over the count of labels:
+    its `fixed_cross_entropy`) in checkpointed chunks of REFERENCE_CHUNK tokens."""
+    from upipe.loss import count_valid, shift_labels
+
+    model = copy.deepcopy(base)
+    labels_BS = shift_labels(ids_BS)
+    h_BSD = model.model(input_ids=ids_BS).last_hidden_state
+    S = ids_BS.shape[1]
+    sums = [
+        checkpoint(
+            _ce_sum, model.lm_head, h_BSD[:, a : a + REFERENCE_CHUNK],
+            labels_BS[:, a : a + REFERENCE_CHUNK], use_reentrant=False,
+        )
+        for a in range(0, S, REFERENCE_CHUNK)
+    ]  # fmt: skip
+    loss = torch.stack(sums).sum() / count_valid(labels_BS)
     loss.backward()
-    return loss.detach()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def step_setup(rank, world_size, shape: ModelShape, methods, max_positions: int):
@@ -202,44 +271,46 @@ def step_setup(rank, world_size, shape: ModelShape, methods, max_positions: int)
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     _STATE["base"] = base_model(shape, max_positions)
-    _STATE["models"] = {m.name: m.build(_STATE["base"], group) for m in methods}
+    _STATE["models"] = {m.name: (m, m.build(_STATE["base"], group)) for m in methods}
 
 
-def step_inputs(rank, world_size, S: int):
-    """This length's batch (the same on every rank) and its block; rank 0: the reference."""
+def step_inputs(rank, world_size, S: int, check: bool = True):
+    """This length's batch (the same on every rank) and its block; rank 0: the reference
+    (if `check`)."""
     from upipe.integrations.hf import shard_batch
 
     shape = _STATE["shape"]
     gen = torch.Generator().manual_seed(shape.seed + S)
-    ids_BS = torch.randint(0, VOCAB, (shape.B, S), generator=gen)
+    ids_BS = torch.randint(0, shape.vocab, (shape.B, S), generator=gen)
     _STATE["batch"] = shard_batch(ids_BS, group=dist.group.WORLD)
     _STATE["few"] = shard_batch(ids_BS[:, : 8 * world_size], group=dist.group.WORLD)
     _STATE["reference"] = None
-    if rank == 0:
+    _STATE["check"] = check
+    if rank == 0 and check:
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, world_size))  # the other ranks wait meanwhile
-        model = copy.deepcopy(_STATE["base"])
-        out = model(input_ids=ids_BS, labels=ids_BS)
-        out.loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        _STATE["reference"] = (out.loss.item(), grads)
+        _STATE["reference"] = reference(_STATE["base"], ids_BS)
         torch.set_num_threads(threads)
     dist.barrier()
 
 
 def step_measure(rank, world_size, name: str) -> dict:
     """One tracked step of `name` after a warm-up on a few tokens; rank 0 returns the peaks
-    of every rank and the errors of the loss and of the summed gradients."""
-    group, model, batch = dist.group.WORLD, _STATE["models"][name], _STATE["batch"]
-    _step(model, _STATE["few"], group)  # warm-up: caches, connections, the tracker
+    and seconds of every rank and (with a reference) the errors of the loss and of the
+    summed gradients."""
+    group, batch = dist.group.WORLD, _STATE["batch"]
+    method, model = _STATE["models"][name]
+    method.step(model, _STATE["few"], group)  # warm-up: caches, connections, the tracker
     model.zero_grad(set_to_none=True)
     dist.barrier()
+    t0 = time.perf_counter()
     with upipe.MemoryTracker() as mem:
-        loss = _step(model, batch, group)
-    peaks = [None] * world_size
-    dist.all_gather_object(peaks, mem.peak_bytes, group=group)
+        loss = method.step(model, batch, group)
+    seconds = time.perf_counter() - t0
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (mem.peak_bytes, seconds), group=group)
     errors = {}
-    for n, p in model.named_parameters():
+    for n, p in model.named_parameters() if _STATE["check"] else ():
         dist.all_reduce(p.grad, group=group)  # each rank holds its tokens' share
         if rank == 0:
             ref = _STATE["reference"][1][n]
@@ -247,39 +318,52 @@ def step_measure(rank, world_size, name: str) -> dict:
     model.zero_grad(set_to_none=True)
     if rank != 0:
         return {}
-    ref_loss = _STATE["reference"][0]
-    return {
-        "peak_bytes_per_rank": peaks,
-        "rel_err": {"loss": abs(loss.item() - ref_loss) / ref_loss, "grads": max(errors.values())},
+    out = {
+        "peak_bytes_per_rank": [peak for peak, _ in everyone],
+        "tracked_step_seconds": max(s for _, s in everyone),
+        "loss": loss.item(),
+        "rel_err": {},
     }
+    if _STATE["check"]:
+        ref_loss = _STATE["reference"][0]
+        out["rel_err"] = {
+            "loss": abs(loss.item() - ref_loss) / ref_loss,
+            "grads": max(errors.values()),
+        }
+    return out
 
 
 def step_round(rank, world_size, names: list[str]) -> dict[str, float]:
     """One timing round: each method's step in turn; this rank's seconds."""
     group, seconds = dist.group.WORLD, {}
     for name in names:
-        model = _STATE["models"][name]
+        method, model = _STATE["models"][name]
         dist.barrier(group)
         t0 = time.perf_counter()
-        _step(model, _STATE["batch"], group)
+        method.step(model, _STATE["batch"], group)
         seconds[name] = time.perf_counter() - t0
         model.zero_grad(set_to_none=True)
     return seconds
 
 
-def drive(run, cfg, methods, tick=lambda text: None) -> list[dict]:
-    """Rows of the table, one per (sequence length, method), through `run(fn, *args)`."""
-    shape = ModelShape(B=cfg.batch_size, H=cfg.heads, G=cfg.kv_heads, d=cfg.head_dim, seed=cfg.seed)
+def drive(run, cfg, methods, tick=lambda text: None, partial=lambda rows: None) -> list[dict]:
+    """Rows of the table, one per (sequence length, method), through `run(fn, *args)`;
+    `partial(rows)` after each method's memory step (the rows so far, unjudged)."""
+    shape = model_shape(cfg)
     run(step_setup, shape, methods, max(cfg.seq_lens))
     tick("set up")
     names, rows = [m.name for m in methods], []
     for S in cfg.seq_lens:
-        run(step_inputs, S)
-        tick(f"S={S}: reference")
+        check = not cfg.reference_up_to or cfg.reference_up_to >= S
+        run(step_inputs, S, check)
+        tick(f"S={S}: reference" if check else f"S={S}: inputs (no reference)")
+        unit = cfg.batch_size * (S // cfg.nproc) * cfg.heads * cfg.head_dim * 4  # [B, L, D] fp32
         measured = {}
         for name in names:
             measured[name] = run(step_measure, name)[0]
             tick(f"S={S}: {name} memory+error")
+            done = [report.result_row(S, n, measured[n], [], unit) for n in measured]
+            partial(rows + done)
         rounds = {name: [] for name in names}
         for i in range(cfg.warmup + cfg.repeats):
             per_rank = run(step_round, names)
@@ -287,10 +371,27 @@ def drive(run, cfg, methods, tick=lambda text: None) -> list[dict]:
                 for name in names:
                     rounds[name].append(max(r[name] for r in per_rank))
             tick(f"S={S}: round {i + 1}")
-        unit = cfg.batch_size * (S // cfg.nproc) * cfg.heads * cfg.head_dim * 4  # [B, L, D] fp32
         for name in names:
             rows.append(report.result_row(S, name, measured[name], rounds[name], unit))
+    report.add_growth(rows, cfg.nproc)
     return rows
+
+
+def model_shape(cfg) -> ModelShape:
+    """The `ModelShape` of a `upipe.bench.BenchConfig`."""
+    return ModelShape(
+        B=cfg.batch_size,
+        H=cfg.heads,
+        G=cfg.kv_heads,
+        d=cfg.head_dim,
+        seed=cfg.seed,
+        vocab=cfg.vocab_size,
+        mlp=cfg.mlp_size,
+        layers=cfg.layers,
+        checkpointing=cfg.checkpointing,
+        mlp_tile=cfg.mlp_tile,
+        loss_chunk=cfg.loss_chunk,
+    )
 
 
 def run_model_bench(cfg, *, quiet: bool = False) -> dict:
@@ -317,19 +418,38 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
         bar.set_postfix_str(text)
         bar.update()
 
-    with LocalCluster(cfg.nproc, timeout_s=3600, pg_timeout_s=600) as cluster:
-        rows = drive(cluster.run, cfg, methods, tick)
+    def partial(rows):  # what a run stopped midway leaves: the rows measured so far
+        if cfg.json:
+            with open(cfg.json, "w") as f:
+                json.dump({"config": dataclasses.asdict(cfg), "partial": True, "results": rows}, f)
+
+    with LocalCluster(cfg.nproc, timeout_s=3600 * 4, pg_timeout_s=3600) as cluster:
+        rows = drive(cluster.run, cfg, methods, tick, partial)
     bar.close()
-    ref = "alst" if any(m.name == "alst" for m in methods) else None
+    ran = {m.name for m in methods}
+    ref = next((n for n in ("alst", "alst-full") if n in ran), None)
     judge(rows, "float32", ref)
     D = cfg.heads * cfg.head_dim
+    shape = model_shape(cfg)
+    tiles = (
+        f", tiles/chunks {cfg.mlp_tile}/{cfg.loss_chunk} tokens" if ran & set(FULL_METHODS) else ""
+    )
     header = (
-        f"{cfg.nproc} ranks (gloo, CPU); LlamaForCausalLM, {LAYERS} layers, D={D} "
-        f"(H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim}), MLP {2 * D}, vocabulary {VOCAB}, "
-        f"B={cfg.batch_size}, fp32; one training step (forward, loss, backward); peak = "
-        f"per-rank max of tensors allocated in the step ([B,L,D] = one [B, S/{cfg.nproc}, {D}] "
-        f"fp32 tensor); median of {cfg.repeats} interleaved rounds; max err = relative error "
-        "of the loss and of the summed gradients vs the unsharded model on one process"
+        f"{cfg.nproc} ranks (gloo, CPU); LlamaForCausalLM, {cfg.layers} layers, D={D} "
+        f"(H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim}), MLP {shape.mlp or 2 * D}, "
+        f"vocabulary {cfg.vocab_size}, B={cfg.batch_size}, fp32, checkpointing "
+        f"{'on' if cfg.checkpointing else 'off'}{tiles}; one training step (forward, loss, "
+        f"backward); peak = per-rank max of tensors allocated in the step ([B,L,D] = one "
+        f"[B, S/{cfg.nproc}, {D}] fp32 tensor); KiB/token = growth of that peak from the "
+        f"previous length per token added to a rank; step s = the tracked step's time (the "
+        f"slowest rank's; under the tracker); median of {cfg.repeats} interleaved rounds; "
+        "loss err, max err = relative error of the loss, and of the loss and the summed "
+        "gradients, vs the unsharded model on one process"
+        + (
+            f" (checked up to S = {cfg.reference_up_to}; -: not checked)"
+            if cfg.reference_up_to
+            else ""
+        )
     )
     doc = {
         "config": dataclasses.asdict(cfg),

@@ -41,7 +41,10 @@ def _fmt(x, spec):
 
 
 def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | None) -> str:
-    """One block per sequence length, then the skipped methods with their reasons."""
+    """One block per sequence length, then the skipped methods with their reasons. Rows of
+    `upipe bench --model` (with `add_growth`'s "kib_per_added_token") also show that and the
+    loss's own error."""
+    model = any("kib_per_added_token" in r for r in rows)
     lines = [header]
     if ref:
         lines.append(
@@ -51,18 +54,27 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
         lines += [
             "",
             f"S = {S}",
-            f"{'method':<20}{'peak MiB':>10}{'[B,L,D]':>9}{'median s':>10}{'max err':>9}"
-            f"{'mem #':>6}{'time #':>7}{'mem ratio':>11}{'time ratio':>11}",
+            f"{'method':<20}{'peak MiB':>10}{'[B,L,D]':>9}"
+            + (f"{'KiB/token':>10}" if model else "")
+            + (f"{'step s':>9}" if model else "")
+            + f"{'median s':>10}"
+            + (f"{'loss err':>9}" if model else "")
+            + f"{'max err':>9}{'mem #':>6}{'time #':>7}{'mem ratio':>11}{'time ratio':>11}",
         ]
         for r in (r for r in rows if r["seq_len"] == S):
             tail = (
                 ""
-                if r["correct"]
+                if r["correct"] is not False
                 else f"  WRONG: error {r['max_rel_err']:.1e} > {r['tolerance']:.0e}, not ranked"
             )
+            growth = _fmt(r.get("kib_per_added_token"), ".2f") if model else None
             lines.append(
                 f"{r['method']:<20}{r['peak_mib']:>10.1f}{r['peak_units_BLD']:>9.2f}"
-                f"{_fmt(r['median_seconds'], '.2f'):>10}{r['max_rel_err']:>9.1e}"
+                + (f"{growth:>10}" if model else "")
+                + (f"{_fmt(r.get('tracked_step_seconds'), '.1f'):>9}" if model else "")
+                + f"{_fmt(r['median_seconds'], '.2f'):>10}"
+                + (f"{_fmt(r['rel_err'].get('loss'), '.1e'):>9}" if model else "")
+                + f"{_fmt(r['max_rel_err'], '.1e'):>9}"
                 f"{_fmt(r['rank_memory'], 'd'):>6}{_fmt(r['rank_time'], 'd'):>7}"
                 f"{_fmt(r['ref_over_this_memory'], '.3f'):>11}"
                 f"{_fmt(r['ref_over_this_time'], '.3f'):>11}{tail}"
@@ -73,6 +85,14 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
     return "\n".join(lines)
 
 
+def _seconds(row: dict) -> float | None:
+    """The median round's seconds, else (`upipe bench --model --repeats 0`) the tracked
+    step's."""
+    if row["median_seconds"] is not None:
+        return row["median_seconds"]
+    return row.get("tracked_step_seconds")
+
+
 def plot(rows: list[dict], path: str, *, title: str) -> None:
     """Peak memory per rank and median fwd+bwd time vs sequence length, a line per method
     (a method flagged wrong at any length is drawn dashed and labelled so)."""
@@ -80,7 +100,7 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
     markers = "osD^vPX*"
     for i, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["seq_len"])
-        wrong = not all(r["correct"] for r in mine)
+        wrong = any(r["correct"] is False for r in mine)
         # methods with equal memory overlap: shrinking markers keep each one visible
         style = {
             "linestyle": "--" if wrong else "-",
@@ -91,19 +111,21 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
         label = name + (" (WRONG)" if wrong else "")
         xs = [r["seq_len"] for r in mine]
         memory.append(Series(label=label, xs=xs, ys=[r["peak_mib"] for r in mine], style=style))
-        timed = [r for r in mine if r["median_seconds"] is not None]
+        timed = [r for r in mine if _seconds(r) is not None]
         time.append(
             Series(
                 label=label,
                 xs=[r["seq_len"] for r in timed],
-                ys=[r["median_seconds"] for r in timed],
+                ys=[_seconds(r) for r in timed],
                 style=style,
             )
         )
     length = "sequence length S (tokens)"
+    rounds = all(r["median_seconds"] is not None for r in rows)
+    seconds = "median fwd+bwd (s)" if rounds else "tracked step (s; no timed rounds)"
     panels = [
         Panel(series=memory, xlabel=length, ylabel="peak memory per rank (MiB)", xlog=True),
-        Panel(series=time, xlabel=length, ylabel="median fwd+bwd (s)", xlog=True),
+        Panel(series=time, xlabel=length, ylabel=seconds, xlog=True),
     ]
     for panel in panels:
         panel.ylog = True
@@ -115,6 +137,7 @@ def result_row(seq_len: int, name: str, measured: dict, seconds: list, unit: int
     units of `unit` bytes), the seconds of its interleaved rounds and their median, and its
     errors vs the reference (`measured`: "peak_bytes_per_rank", "rel_err")."""
     peaks = measured["peak_bytes_per_rank"]
+    extra = {k: measured[k] for k in ("tracked_step_seconds", "loss") if k in measured}
     return {
         "seq_len": seq_len,
         "method": name,
@@ -124,8 +147,23 @@ def result_row(seq_len: int, name: str, measured: dict, seconds: list, unit: int
         "seconds_per_round": seconds,
         "median_seconds": statistics.median(seconds) if seconds else None,
         "rel_err": measured["rel_err"],
-        "max_rel_err": max(measured["rel_err"].values()),
+        "max_rel_err": max(measured["rel_err"].values(), default=None),
+        **extra,
     }
+
+
+def add_growth(rows: list[dict], nproc: int) -> None:
+    """Add to each row from a method's second length on "kib_per_added_token": the growth
+    of its per-rank peak (max over the ranks) from the method's previous length, in KiB per
+    token added to each rank's shard, (peak(S) - peak(S')) / 1024 / ((S - S') / nproc);
+    None at the first length."""
+    for name in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["seq_len"])
+        mine[0]["kib_per_added_token"] = None
+        for prev, r in zip(mine, mine[1:], strict=False):
+            added = (r["seq_len"] - prev["seq_len"]) / nproc
+            grown = max(r["peak_bytes_per_rank"]) - max(prev["peak_bytes_per_rank"])
+            r["kib_per_added_token"] = grown / 1024 / added
 
 
 def publish(doc: dict, skipped: dict, cfg, say, *, header: str, ref, title: str) -> None:

@@ -252,11 +252,12 @@ def judge(rows: list[dict], dtype: str, reference_method: str | None) -> None:
     for S in sorted({r["seq_len"] for r in rows}):
         at = [r for r in rows if r["seq_len"] == S]
         for r in at:
-            r["correct"] = r["max_rel_err"] <= tol
+            # None: not checked (no reference at this length: `upipe bench --model`)
+            r["correct"] = None if r["max_rel_err"] is None else r["max_rel_err"] <= tol
             r["tolerance"] = tol
             r["rank_memory"] = r["rank_time"] = None
             r["ref_over_this_memory"] = r["ref_over_this_time"] = None
-        good = [r for r in at if r["correct"]]
+        good = [r for r in at if r["correct"] is not False]
         for i, r in enumerate(sorted(good, key=lambda r: r["peak_units_BLD"])):
             r["rank_memory"] = i + 1
         timed = [r for r in good if r["median_seconds"] is not None]
