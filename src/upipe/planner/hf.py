@@ -195,7 +195,7 @@ class HFJob(SimulatedJob):
     def __init__(self, model, optimizer, tracker: StepTracker, *, C: int, batch: int, offload):
         self.model, self.optimizer, self.tracker = model, optimizer, tracker
         self.C, self.B, self.offload = C, batch, offload
-        self.L = 0
+        self.L, self.block = 0, 0  # tokens per rank; this rank's block of the sequence
 
     def set_length(self, seq_len: int) -> None:
         from upipe.model.offload import Offloader
@@ -207,9 +207,9 @@ class HFJob(SimulatedJob):
             memory.offload = Offloader(memory.n_inputs, HOST_DEVICE, scratch=scratch)
 
     def forward_backward(self) -> None:
-        # rank 0's block: tokens 0 .. L-1 of one document per row (the collator's output)
+        # this rank's block of one document per row (what the collator hands the model)
         ids_BL = torch.zeros(self.B, self.L, dtype=torch.int64)
-        pos_BL = torch.arange(self.L).expand(self.B, -1)
+        pos_BL = torch.arange(self.block * self.L, (self.block + 1) * self.L).expand(self.B, -1)
         count = torch.full((), self.B * self.L * self.C, dtype=torch.int64)
         out = self.model(
             input_ids=ids_BL,
@@ -275,42 +275,113 @@ class HFStepSimulator(JobSimulator):
         return validate(dataclasses.replace(self.cfg, seq_len=seq_len), self.world, self.shape)
 
     def _build(self, mesh, n_layers: int) -> SimulatedJob:
-        import torch.distributed as dist
-        import transformers
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-        from upipe.integrations.hf import apply_context_parallel
         from upipe.planner.step import _kernels
 
         cfg = self.cfg
-        config = build_config(self.hf, n_layers)
-        config.use_cache = False
         workspaces = dict(cuda_workspaces=self.kernels == "cuda", attention_kernel=self.attn)
         mem = StepTracker(fake=True, **workspaces)
-        _, ring, uly = cfg.degrees(self.world)
-        # one sequence over all ranks: the world as a group, or the ring x ulysses mesh
-        where = dict(mesh=mesh) if ring > 1 and uly > 1 else dict(group=dist.group.WORLD)
-        flat = self._fsdp_mesh
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)  # fake parameters cannot be cast: make them so
-        try:
-            with mem:
-                with torch.device("meta"):
-                    model = getattr(transformers, self.hf["architectures"][0])(config)
-                model.train()
-                apply_context_parallel(model, **where, **context_parallel_options(cfg))
-                policy = CPUOffloadPolicy(pin_memory=False) if cfg.fsdp_offload else None
-                for unit in [*model.model.layers, model]:
-                    fully_shard(unit, mesh=flat, offload_policy=policy or OffloadPolicy())
-                model.to_empty(device="cpu")
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        finally:
-            torch.set_default_dtype(default)
+        with mem:
+            model, optimizer = build_model(cfg, self.hf, n_layers, mesh, self._fsdp_mesh)
         if cfg.fsdp_offload and self.kernels == "cuda":  # (on the CPU all of it is the host)
             _offload_fsdp_state(model, mem)
         offload = cfg.offload and self.kernels == "cuda"
-        job = HFJob(model, optimizer, mem, C=ring * uly, batch=cfg.batch_size, offload=offload)
+        job = HFJob(model, optimizer, mem, C=self.world, batch=cfg.batch_size, offload=offload)
+        job.block = block_index(mesh)
         # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
         with _kernels(self.kernels):
             measure_step(job, self._shortest())
         return job
+
+
+def build_model(cfg, hf: dict, n_layers: int, mesh, fsdp_mesh):
+    """The Hugging Face model of config `hf` with `n_layers` decoder layers, converted for
+    candidate `cfg` (a `TrainConfig`) and sharded by FSDP2 over `fsdp_mesh`, its parameters
+    allocated on the CPU (uninitialised) in the candidate's dtype, and its AdamW: (model,
+    optimizer). `mesh`: the (dp, ring, ulysses) mesh; one sequence spans all of it (the
+    world as a group, or the ring x ulysses mesh). Fake under `FakeTensorMode`, real else
+    (the tests' real runs)."""
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    from upipe.integrations.hf import apply_context_parallel
+
+    config = build_config(hf, n_layers)
+    config.use_cache = False
+    ring, uly = mesh["ring"].size(), mesh["ulysses"].size()
+    where = dict(mesh=mesh) if ring > 1 and uly > 1 else dict(group=dist.group.WORLD)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[cfg.dtype])  # (fake parameters cannot be cast: make them so)
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, hf["architectures"][0])(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.train()
+    apply_context_parallel(model, **where, **context_parallel_options(cfg))
+    policy = CPUOffloadPolicy(pin_memory=False) if cfg.fsdp_offload else OffloadPolicy()
+    for unit in [*model.model.layers, model]:
+        fully_shard(unit, mesh=fsdp_mesh, offload_policy=policy)
+    model.to_empty(device="cpu")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+
+def block_index(mesh) -> int:
+    """This rank's block of the contiguous sequence on the (dp = 1, ring, ulysses) mesh."""
+    return mesh["ring"].get_local_rank() * mesh["ulysses"].size() + mesh["ulysses"].get_local_rank()
+
+
+def hf_settings(kw: dict, gpus: int, seq_len: int) -> dict:
+    """The Trainer / accelerate settings of candidate `kw` (TrainConfig fields) on `gpus`
+    GPUs of one node at `seq_len` tokens per sequence, as docs/hf.md's recipe writes them:
+    "training_arguments" (the TrainingArguments fields that matter), "context_parallel"
+    (`ContextParallelMixin`'s `context_parallel=` dict), "accelerate" (the FSDP2 config of
+    `accelerate launch`, as one line), "torchrun" and "lines" (all of it, printable)."""
+    from upipe.train import TrainConfig
+
+    cfg = TrainConfig(**{**kw, "seq_len": seq_len})
+    cp = context_parallel_options(cfg)
+    fsdp_config = {"version": 2, "reshard_after_forward": True}
+    if cfg.fsdp_offload:
+        fsdp_config["cpu_offload"] = True
+    args = {
+        "per_device_train_batch_size": cfg.batch_size,
+        "bf16": False,
+        "fsdp": True,
+        "fsdp_config": fsdp_config,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "dataloader_num_workers": 0,
+    }
+    _, ring, uly = cfg.degrees(gpus)
+    where = (
+        f"context_parallel_mesh=upipe.make_mesh(ring={ring}, ulysses={uly})"
+        if ring > 1 and uly > 1
+        else "context_parallel_group=dist.group.WORLD"
+    )
+    accelerate = (
+        "distributed_type: FSDP, mixed_precision: 'no', num_processes: "
+        f"{gpus}, fsdp_config: {{fsdp_version: 2, fsdp_auto_wrap_policy: "
+        "TRANSFORMER_BASED_WRAP, fsdp_reshard_after_forward: true, fsdp_offload_params: "
+        f"{str(cfg.fsdp_offload).lower()}, fsdp_activation_checkpointing: false}}"
+    )
+    torchrun = f"torchrun --standalone --nproc-per-node {gpus} train.py"
+    dtype = f"torch.{cfg.dtype}"
+    lines = [
+        f"model = AutoModelForCausalLM.from_pretrained(..., dtype={dtype}, "
+        'attn_implementation="sdpa")',
+        "TrainingArguments("
+        + ", ".join(f"{k}={v!r}" for k, v in args.items())
+        + ")  # bf16=False: the model is in bf16, upipe refuses autocast",
+        f"CPTrainer(..., {where},",
+        f"          context_parallel={cp!r})  # rows of {seq_len:,} tokens",
+        f"accelerate (instead of fsdp= in TrainingArguments): {accelerate}",
+        torchrun,
+    ]
+    return {
+        "training_arguments": args,
+        "context_parallel": cp,
+        "context_parallel_where": where,
+        "accelerate": accelerate,
+        "torchrun": torchrun,
+        "lines": lines,
+    }
