@@ -317,10 +317,7 @@ def _hf_checked(pc: PlanConfig):
 def checked(pc: PlanConfig):
     """The model `pc` plans (its preset, with --model-config's fields) and the device budget
     in bytes (GPU memory - reserve), after checking `pc` (ValueError naming the fix)."""
-    if pc.hf_config:
-        model = _hf_checked(pc)
-    else:
-        model = get_config(pc.model)
+    model = _hf_checked(pc) if pc.hf_config else get_config(pc.model)
     if pc.model_config:
         with open(pc.model_config) as f:
             model = dataclasses.replace(model, **json.load(f))

@@ -234,7 +234,9 @@ def table(res: dict) -> str:
             else f" (within {TIE:.0%} of the fastest, less memory)"
         )
         lines.append(f"\npick: {res['pick']}{why}")
-        lines.append("\n".join(res["hf_settings"]["lines"]) if "hf_settings" in res else res["command"])
+        lines.append(
+            "\n".join(res["hf_settings"]["lines"]) if "hf_settings" in res else res["command"]
+        )
     else:
         lines.append("\nno candidate fits: shorten --seq-len, add GPUs or host memory")
     return "\n".join(lines)

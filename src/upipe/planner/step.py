@@ -11,6 +11,13 @@ whose iterations repeat the same memory (sequence tiles, ring steps) are cut sho
 (`upipe.planner.sampled`), so a step costs the same at any length and ring size and gives
 the worst rank's peak.
 
+The simulator is `JobSimulator` (fake process group, fake tensors, loops cut short, depth
+extrapolated), stepping a `SimulatedJob` -- one rank's model, optimizer and tracker with
+`set_length`, `forward_backward` and `optimizer_step` -- through `measure_step`. Two jobs
+implement it: `TrainerJob` (`upipe train`'s `Trainer`, built by `StepSimulator`) and
+`upipe.planner.hf.HFJob` (a Hugging Face model converted by `apply_context_parallel`, built by
+`HFStepSimulator`: `upipe plan --hf-config`).
+
 What the simulation replaces, and why it does not change the memory:
 - The device is a fake *CPU* (fake CUDA tensors crash the backward on a CPU-only build).
   Memory is counted per storage, so the device type does not matter -- except that the CPU
@@ -416,7 +423,9 @@ class JobSimulator:
             raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
         self.world, self.kernels, self.attn = world, kernels, attention_kernel
         self.sample_loops, self.rank, self.n_layers = sample_loops, rank, n_layers
-        self.depths = tuple(sorted(set(depths))) if depths and max(depths) < n_layers else (n_layers,)
+        self.depths = (
+            tuple(sorted(set(depths))) if depths and max(depths) < n_layers else (n_layers,)
+        )
         if len(self.depths) not in (1, 2) or min(self.depths) < 1:
             raise ValueError(f"depths must be two layer counts >= 1, got {depths}")
         self._stack = contextlib.ExitStack()
@@ -552,7 +561,9 @@ class StepSimulator(JobSimulator):
         dp, ring, uly = self.cfg.degrees(self.world)
         mesh = make_mesh(ulysses=uly, ring=ring, dp=dp)
         if self.cfg.fsdp and mesh.ndim > 1:
-            flatten_mesh(mesh, "fsdp")  # (apply_fsdp's flattened mesh, made here for the same reason)
+            flatten_mesh(
+                mesh, "fsdp"
+            )  # (apply_fsdp's flattened mesh, made here for the same reason)
         return mesh
 
     def _build(self, mesh, n_layers: int) -> SimulatedJob:
@@ -583,7 +594,9 @@ class StepSimulator(JobSimulator):
         return job
 
     def _problem(self, seq_len: int) -> str | None:
-        return validate(dataclasses.replace(self.cfg, seq_len=seq_len), self.world, self.model_config)
+        return validate(
+            dataclasses.replace(self.cfg, seq_len=seq_len), self.world, self.model_config
+        )
 
     def __exit__(self, *exc):
         self.trainers = {}
