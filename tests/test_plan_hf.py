@@ -68,22 +68,22 @@ def test_simulated_peak_equals_real_run(clusters, hf, kw):
 def slopes(S=(16384, 32768), **kw):
     """Device and host bytes per token of a rank (d peak / d L) of `candidate(**kw)` on 2
     ranks, simulated (CUDA kernels) between two lengths; and the last step's memory."""
-    with HFStepSimulator(candidate(**kw), 2, TINY) as sim:
+    with HFStepSimulator(candidate(**kw), 2, {**TINY, "num_hidden_layers": 3}) as sim:
         a, b = (sim.step(n) for n in S)
     L = (S[1] - S[0]) // 2
     return (b.peak_bytes - a.peak_bytes) / L, (b.host_peak_bytes - a.host_peak_bytes) / L, b
 
 
 def test_options_move_the_peak_as_their_formulas_say():
-    """Per token of a rank, bf16 (e = 2 bytes), D = 64, F = 192, V = 1024, 4 layers:
-    - offload: the host holds the arena of the n = 4 checkpointed inputs (n D e exactly),
+    """Per token of a rank, bf16 (e = 2 bytes), D = 64, F = 192, V = 1024, 3 layers:
+    - offload: the host holds the arena of the n = 3 checkpointed inputs (n D e exactly),
       and the device no more than it did (the inputs now come back one at a time);
     - keep_on_gpu=1: one input less on the host (D e exactly), at most D e more on the device;
     - chunked_loss: without it the [L, V] logits exist, with their fp32 copy (6 V), and the
       log-softmax and the gradients in both dtypes on top (at most 2 + 4 + 4 + 4 + 2 = 16 V);
     - tiled_mlp: without it the [L, F] gate, up and activation are saved (3 F e), and at
       most the product and the norm's fp32 copies on top (4 F e + 4 D 4)."""
-    D, F, V, e, n = 64, 192, 1024, 2, 4
+    D, F, V, e, n = 64, 192, 1024, 2, 3
     on, on_host, _ = slopes(**FEATURES)
     assert on_host == 0
     off, off_host, m = slopes(**FEATURES, offload=True)

@@ -205,8 +205,9 @@ def table(res: dict) -> str:
     """The candidates, fastest first (those that fit, then those that do not, then those
     that cannot run), the pick and its command."""
     c, hw = res["config"], res["hardware"]
+    model = c.get("hf_config") or c["model"]
     lines = [
-        f"{c['model']} on {c['gpus']} x {hw['name']} ({c['gpu_memory_gib']:g} GiB, "
+        f"{model} on {c['gpus']} x {hw['name']} ({c['gpu_memory_gib']:g} GiB, "
         f"{res['budget_bytes'] / GiB:g} GiB of tensors; {c['host_memory_gib']:g} GiB host "
         f"memory per GPU), {res['seq_len']:,} tokens per sequence; predicted by the "
         f"{hw['name']} time model (not validated on a GPU)",
