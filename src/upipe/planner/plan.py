@@ -46,6 +46,11 @@ class PlanConfig:
     """Model preset."""
     model_config: str | None = None
     """JSON file of ModelConfig fields (overrides the preset's)."""
+    hf_config: str | None = None
+    """Plan the Hugging Face path instead of upipe's own model: a transformers config.json
+    (path) or a shipped one (llama-3.1-8b, qwen3-8b, qwen2.5-7b, mistral-7b-v0.3), its
+    model class simulated with apply_context_parallel, FSDP2 and AdamW, weights, gradients
+    and AdamW states in --dtype (--master-dtype is not used; upipe.planner.hf)."""
     gpus: int = 8
     """Number of GPUs (ranks)."""
     gpu_memory_gib: float = 80.0
@@ -235,13 +240,17 @@ def _stage_candidates(pc: PlanConfig, spec, model) -> tuple:
 
 def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
     """(label, TrainConfig fields, problem or None) of each strategy x features asked for."""
-    rows = []
-    for strategy in pc.strategies:
+    rows, strategies = [], pc.strategies
+    if pc.hf_config and strategies == PlanConfig().strategies:  # those the HF path runs
+        from upipe.planner.hf import HF_STRATEGIES
+
+        strategies = tuple(s for s in strategies if s in HF_STRATEGIES)
+    for strategy in strategies:
         spec = get_strategy(strategy)
         for ring, U in _stage_candidates(pc, spec, model):
             for feat in pc.features:
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
-                kw["master_dtype"] = pc.master_dtype
+                kw["master_dtype"] = pc.dtype if pc.hf_config else pc.master_dtype
                 kw["batch_size"] = pc.batch_size
                 kw["model"], kw["seq_len"] = pc.model, _step(pc)
                 label = strategy
@@ -262,14 +271,53 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                 if feat != "off":
                     label += " +features" if feat == "on" else f" +{feat}"
                 cfg = TrainConfig(**kw, plot=None)
-                rows.append((label, kw, validate(cfg, pc.gpus, model)))
+                problem = _hf_problem(cfg) if pc.hf_config else None
+                rows.append((label, kw, problem or validate(cfg, pc.gpus, model)))
     return rows
+
+
+def _hf_problem(cfg: TrainConfig) -> str | None:
+    from upipe.planner.hf import hf_problem
+
+    return hf_problem(cfg)
+
+
+def simulator(pc: PlanConfig, cfg: TrainConfig, model, **kw):
+    """The simulator of candidate `cfg`: of upipe's own trainer (`StepSimulator`), or with
+    --hf-config of the Hugging Face path (`upipe.planner.hf.HFStepSimulator`)."""
+    if pc.hf_config:
+        from upipe.planner.hf import HFStepSimulator, load_hf_config
+
+        return HFStepSimulator(cfg, pc.gpus, load_hf_config(pc.hf_config), **kw)
+    return StepSimulator(cfg, pc.gpus, model, **kw)
+
+
+def _hf_checked(pc: PlanConfig):
+    """With --hf-config: the config's shapes (`upipe.planner.hf.shapes`), after checking the
+    options the Hugging Face path refuses (ValueError naming them)."""
+    from upipe.planner.hf import HF_STRATEGIES, load_hf_config, shapes
+
+    if pc.model_config:
+        raise ValueError("--model-config changes upipe's own model: leave it out with --hf-config")
+    if not pc.fsdp:
+        raise ValueError(
+            "--no-fsdp: the Hugging Face path is planned with FSDP2 (the docs/hf.md recipe); "
+            "leave --fsdp on"
+        )
+    if pc.strategies != PlanConfig().strategies:
+        refused = [s for s in pc.strategies if s not in HF_STRATEGIES]
+        if refused:
+            raise ValueError(
+                f"--strategies {' '.join(refused)}: the Hugging Face path "
+                f"(apply_context_parallel) runs {', '.join(HF_STRATEGIES)}"
+            )
+    return shapes(load_hf_config(pc.hf_config))
 
 
 def checked(pc: PlanConfig):
     """The model `pc` plans (its preset, with --model-config's fields) and the device budget
     in bytes (GPU memory - reserve), after checking `pc` (ValueError naming the fix)."""
-    model = get_config(pc.model)
+    model = _hf_checked(pc) if pc.hf_config else get_config(pc.model)
     if pc.model_config:
         with open(pc.model_config) as f:
             model = dataclasses.replace(model, **json.load(f))
@@ -325,7 +373,7 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     host_budget = pc.host_memory_gib * GiB
     mems, start = {}, time.perf_counter()
     sim_kw = dict(depths=depths, kernels=pc.device, attention_kernel=pc.attention_kernel)
-    with StepSimulator(cfg, pc.gpus, model, **sim_kw) as sim:
+    with simulator(pc, cfg, model, **sim_kw) as sim:
 
         def used(S):
             """The fraction of the budget S needs: of the device memory, or of the host
@@ -373,6 +421,8 @@ def table(res: dict) -> str:
         f"({res['config']['device']} kernels)",
         f"{'strategy':{w}} {'max tokens':>12} {'peak GiB':>9} {'host GiB':>9}  largest at peak",
     ]
+    if res["config"].get("hf_config"):
+        lines.insert(0, f"Hugging Face path: {res['config']['hf_config']} (upipe.planner.hf)")
     for r in res["strategies"]:
         if r["problem"]:
             lines.append(f"{r['strategy']:{w}} {'n/a':>12}  {r['problem']}")
@@ -415,7 +465,7 @@ def plot(res: dict, path: str) -> None:
         series=series,
         xlabel="sequence length (millions of tokens)",
         ylabel="peak memory per GPU (GiB)",
-        title=f"{c['model']} on {c['gpus']} x {c['gpu_memory_gib']:g} GiB",
+        title=f"{c.get('hf_config') or c['model']} on {c['gpus']} x {c['gpu_memory_gib']:g} GiB",
         ylim=(0, 1.5 * budget),
         hlines=[(budget, "budget")],
     )

@@ -14,6 +14,12 @@ fit), or, among those within 1% of it, the one with the most device memory to sp
 `upipe train`'s defaults, plus the ones a reader looks for (device, model, strategy, length,
 dtype, FSDP). Candidates run `pc.jobs` at a time, each in a process of its own (the
 simulator needs the process's default process group).
+
+With --hf-config the memory is the Hugging Face path's (`upipe.planner.hf`), the time that
+of upipe's own trainer counted on the same shapes and features (the same GEMMs, attention
+calls and exchanges; not the memory-bound work of transformers' fp32 norms), and the pick
+comes as the Trainer's settings (`hf.hf_settings`: TrainingArguments, `context_parallel=`,
+the accelerate FSDP2 config) with its torchrun command.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import time
 
 from upipe.planner import plan
 from upipe.planner.hardware import HARDWARE, get_hardware, resolve_kernel, with_measured_rates
-from upipe.planner.step import StepSimulator
 from upipe.planner.timing import count_step, predict
 from upipe.train.config import TrainConfig, padded_length, validate
 
@@ -135,6 +140,11 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
         "command": pick
         and torchrun_command({**pick["train_config"], **named}, pc.gpus, N, hw.gpus_per_node),
     }
+    if pc.hf_config and pick:
+        from upipe.planner.hf import hf_settings
+
+        out["hf_settings"] = hf_settings(pick["train_config"], pc.gpus, N)
+        out["command"] = out["hf_settings"]["torchrun"]
     return out
 
 
@@ -157,7 +167,7 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
     depths = plan.extrapolation_depths(cfg, model.n_layers)
     memory_depths = depths if pc.extrapolate else None
     sim_kw = dict(depths=memory_depths, kernels=pc.device, attention_kernel=pc.attention_kernel)
-    with StepSimulator(cfg, pc.gpus, model, **sim_kw) as sim:
+    with plan.simulator(pc, cfg, model, **sim_kw) as sim:
         m = sim.step(N, explain=True)
     too_much = []
     if m.peak_bytes > budget:
@@ -213,8 +223,9 @@ def table(res: dict) -> str:
     """The candidates, fastest first (those that fit, then those that do not, then those
     that cannot run), the pick and its command."""
     c, hw = res["config"], res["hardware"]
+    model = c.get("hf_config") or c["model"]
     lines = [
-        f"{c['model']} on {c['gpus']} x {hw['name']} ({c['gpu_memory_gib']:g} GiB, "
+        f"{model} on {c['gpus']} x {hw['name']} ({c['gpu_memory_gib']:g} GiB, "
         f"{res['budget_bytes'] / GiB:g} GiB of tensors; {c['host_memory_gib']:g} GiB host "
         f"memory per GPU), {res['seq_len']:,} tokens per sequence; predicted by the "
         f"{hw['name']} time model, {res['attention_kernel']} attention (not validated on a GPU)",
@@ -245,7 +256,10 @@ def table(res: dict) -> str:
             if res["pick"] == res["fastest"]
             else f" (within {TIE:.0%} of the fastest, less memory)"
         )
-        lines.append(f"\npick: {res['pick']}{why}\n{res['command']}")
+        lines.append(f"\npick: {res['pick']}{why}")
+        lines.append(
+            "\n".join(res["hf_settings"]["lines"]) if "hf_settings" in res else res["command"]
+        )
     else:
         lines.append("\nno candidate fits: shorten --seq-len, add GPUs or host memory")
     return "\n".join(lines)

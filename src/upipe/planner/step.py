@@ -11,6 +11,13 @@ whose iterations repeat the same memory (sequence tiles, ring steps) are cut sho
 (`upipe.planner.sampled`), so a step costs the same at any length and ring size and gives
 the worst rank's peak.
 
+The simulator is `JobSimulator` (fake process group, fake tensors, loops cut short, depth
+extrapolated), stepping a `SimulatedJob` -- one rank's model, optimizer and tracker with
+`set_length`, `forward_backward` and `optimizer_step` -- through `measure_step`. Two jobs
+implement it: `TrainerJob` (`upipe train`'s `Trainer`, built by `StepSimulator`) and
+`upipe.planner.hf.HFJob` (a Hugging Face model converted by `apply_context_parallel`, built by
+`HFStepSimulator`: `upipe plan --hf-config`).
+
 What the simulation replaces, and why it does not change the memory:
 - The device is a fake *CPU* (fake CUDA tensors crash the backward on a CPU-only build).
   Memory is counted per storage, so the device type does not matter -- except that the CPU
@@ -155,11 +162,12 @@ def _h2d_all_gather_inputs(fsdp_param) -> list[torch.Tensor]:
         fsdp_param._sharded_param_data = host
 
 
-def _offload_fsdp_state(trainer, mem: StepTracker) -> None:
-    """Count FSDP2's offloaded state as host memory as it is on CUDA (module doc): the
-    sharded parameters from now on, each gradient shard from its copy to the host on, and
-    whatever the optimizer phase allocates (AdamW's states, clipping's norms)."""
-    params = list(trainer.master.parameters())
+def _offload_fsdp_state(master, mem: StepTracker) -> None:
+    """Count FSDP2's offloaded state of `master` (the module the optimizer updates) as host
+    memory as it is on CUDA (module doc): the sharded parameters from now on, each gradient
+    shard from its copy to the host on, and whatever the optimizer phase allocates (AdamW's
+    states, clipping's norms)."""
+    params = list(master.parameters())
     mem.to_host([p.to_local() for p in params])
     for p in params:
         p.register_post_accumulate_grad_hook(functools.partial(_grad_to_host, mem))
@@ -345,7 +353,152 @@ class StepMemory:
     that made it, shape, dtype), if it was allocated during the step."""
 
 
-class StepSimulator:
+class SimulatedJob:
+    """One rank's training job as a simulated step runs it (`measure_step`): what the own
+    trainer's path (`TrainerJob`) and the Hugging Face path (`upipe.planner.hf.HFJob`) both
+    provide, so that one simulator -- fake process group, fake tensors, loops cut short,
+    depth extrapolated -- steps either.
+
+    `tracker`: the `StepTracker` that has counted everything the job allocated since it was
+    built (parameters, optimizer states, buffers kept between steps)."""
+
+    tracker: StepTracker
+
+    def set_length(self, seq_len: int) -> None:
+        """Make the next step one of `seq_len` tokens per sequence (all ranks together)."""
+        raise NotImplementedError
+
+    def forward_backward(self) -> None:
+        """Forward and backward of one batch: the gradients are in the parameters' .grad."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        """Clip the gradients, step the optimizer, free the gradients."""
+        raise NotImplementedError
+
+
+class TrainerJob(SimulatedJob):
+    """`upipe train`'s `Trainer` as a `SimulatedJob`: synthetic batches
+    (`_synthetic_batch`), its own forward_backward and optimizer_step."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.tracker = trainer, trainer.tracker
+
+    def set_length(self, seq_len: int) -> None:
+        trainer = self.trainer
+        trainer.cfg = dataclasses.replace(trainer.cfg, seq_len=seq_len)
+        if trainer.model.offload is not None:
+            # a fresh arena: the previous length's must not count as host memory held before
+            # the step (a real run frees the old arena before allocating the new one)
+            n_layers = len(trainer.model.model.layers)
+            trainer.model.offload = make_offloader(n_layers, trainer.cfg.features(), HOST_DEVICE)
+
+    def forward_backward(self) -> None:
+        self.trainer.forward_backward(0)
+
+    def optimizer_step(self) -> None:
+        self.trainer.optimizer_step()
+
+
+class JobSimulator:
+    """Rank `rank` (default 0) of `world` ranks running a job of a model of `n_layers`
+    blocks, built once per simulated depth (`_build`, by the subclass) and stepped at any
+    sequence length. Use as a context manager: it holds the process's default (fake) process
+    group while open. `StepSimulator` (the own trainer) and `upipe.planner.hf.HFStepSimulator`
+    (a Hugging Face model) are its two kinds; `kernels`, `attention_kernel`, `depths`,
+    `sample_loops` as in `StepSimulator`."""
+
+    def __init__(
+        self,
+        world: int,
+        n_layers: int,
+        *,
+        kernels: str = "cuda",
+        attention_kernel: str = "auto",
+        depths=None,
+        sample_loops: bool = True,
+        rank: int = 0,
+    ):
+        if kernels not in ("cuda", "cpu"):
+            raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
+        self.world, self.kernels, self.attn = world, kernels, attention_kernel
+        self.sample_loops, self.rank, self.n_layers = sample_loops, rank, n_layers
+        self.depths = (
+            tuple(sorted(set(depths))) if depths and max(depths) < n_layers else (n_layers,)
+        )
+        if len(self.depths) not in (1, 2) or min(self.depths) < 1:
+            raise ValueError(f"depths must be two layer counts >= 1, got {depths}")
+        self._stack = contextlib.ExitStack()
+        self.jobs: dict[int, SimulatedJob] = {}
+
+    # what a subclass provides
+    def _mesh(self):
+        """The job's device mesh (built outside fake mode: its rank tables are real)."""
+        raise NotImplementedError
+
+    def _build(self, mesh, n_layers: int) -> SimulatedJob:
+        """The job with `n_layers` blocks, its tracker counting from the start, warmed up."""
+        raise NotImplementedError
+
+    def _problem(self, seq_len: int) -> str | None:
+        """Why the job cannot run `seq_len` tokens per sequence, or None."""
+        raise NotImplementedError
+
+    def __enter__(self):
+        stack = self._stack
+        try:
+            stack.enter_context(fake_process_group(self.world, rank=self.rank))
+            mesh = self._mesh()
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            for n in self.depths:
+                self.jobs[n] = self._build(mesh, n)
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.jobs = {}
+        self._stack.close()
+
+    def _shortest(self) -> int:
+        """The shortest valid sequence length (the warm-up step's)."""
+        for seq_len in range(2 * self.world, 10**6, 2 * self.world):
+            if self._problem(seq_len) is None:
+                return seq_len
+        raise ValueError(f"no valid sequence length on {self.world} ranks")
+
+    def step(self, seq_len: int, *, explain: bool = False) -> StepMemory:
+        """Memory of one training step at `seq_len` tokens per sequence."""
+        problem = self._problem(seq_len)
+        if problem:
+            raise ValueError(problem)
+        with (
+            sampled_loops() if self.sample_loops else contextlib.nullcontext(),
+            _kernels(self.kernels),
+        ):
+            runs = [measure_step(self.jobs[n], seq_len, explain) for n in self.depths]
+        if len(runs) == 1:
+            return runs[0]
+        (n0, n1), N = self.depths, self.n_layers
+
+        def at_depth(a: int, b: int) -> int:
+            return b + (b - a) * (N - n1) // (n1 - n0)
+
+        phases = {
+            k: at_depth(runs[0].phase_bytes.get(k, 0), v) for k, v in runs[1].phase_bytes.items()
+        }
+        return StepMemory(
+            seq_len=seq_len,
+            peak_bytes=max(phases.values()),
+            persistent_bytes=at_depth(runs[0].persistent_bytes, runs[1].persistent_bytes),
+            host_peak_bytes=at_depth(runs[0].host_peak_bytes, runs[1].host_peak_bytes),
+            phase_bytes=phases,
+            at_peak=runs[1].at_peak,
+        )
+
+
+class StepSimulator(JobSimulator):
     """Rank `rank` (default 0) of `world` ranks running `cfg` (a `TrainConfig`; its seq_len
     is replaced by `step`'s), built once and stepped at any sequence length. Use as a
     context manager: it holds the process's default (fake) process group while open.
@@ -387,42 +540,33 @@ class StepSimulator:
         cost independent of the sequence length and the ring size. False runs this rank's
         loops in full. `attention_kernel`: the CUDA attention kernel whose backward workspace
         is charged with kernels "cuda" (`StepTracker`); the step itself runs the CPU kernel."""
-        if kernels not in ("cuda", "cpu"):
-            raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
-        self.cfg, self.world, self.kernels = cfg, world, kernels
-        self.attn = attention_kernel
-        self.sample_loops, self.rank = sample_loops, rank
+        self.cfg = cfg
         self.model_config = model or get_config(cfg.model)
-        n = self.model_config.n_layers
-        self.depths = tuple(sorted(set(depths))) if depths and max(depths) < n else (n,)
-        if len(self.depths) not in (1, 2) or min(self.depths) < 1:
-            raise ValueError(f"depths must be two layer counts >= 1, got {depths}")
+        super().__init__(
+            world,
+            self.model_config.n_layers,
+            kernels=kernels,
+            attention_kernel=attention_kernel,
+            depths=depths,
+            sample_loops=sample_loops,
+            rank=rank,
+        )
         problem = validate(cfg, world, self.model_config)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[cfg.dtype]
-        self._stack = contextlib.ExitStack()
-        self.trainers = {}
+        self.trainers: dict[int, Trainer] = {}
 
-    def __enter__(self):
-        cfg, stack = self.cfg, self._stack
-        try:
-            stack.enter_context(fake_process_group(self.world, rank=self.rank))
-            dp, ring, uly = cfg.degrees(self.world)
-            mesh = make_mesh(ulysses=uly, ring=ring, dp=dp)  # real tensors: outside fake mode
-            if cfg.fsdp and mesh.ndim > 1:
-                flatten_mesh(
-                    mesh, "fsdp"
-                )  # (apply_fsdp's flattened mesh, made here for the same reason)
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            for n in self.depths:
-                self.trainers[n] = self._build(mesh, n)
-        except BaseException:
-            stack.close()
-            raise
-        return self
+    def _mesh(self):
+        dp, ring, uly = self.cfg.degrees(self.world)
+        mesh = make_mesh(ulysses=uly, ring=ring, dp=dp)
+        if self.cfg.fsdp and mesh.ndim > 1:
+            flatten_mesh(
+                mesh, "fsdp"
+            )  # (apply_fsdp's flattened mesh, made here for the same reason)
+        return mesh
 
-    def _build(self, mesh, n_layers: int):
+    def _build(self, mesh, n_layers: int) -> SimulatedJob:
         """A Trainer of `n_layers` blocks with its own tracker, after one warm-up step."""
         cfg = dataclasses.replace(self.cfg, data=__file__)  # never read: synthetic batches
         model_config = dataclasses.replace(self.model_config, n_layers=n_layers)
@@ -438,56 +582,25 @@ class StepSimulator:
             torch.set_default_dtype(default)
         trainer.tracker = mem
         if cfg.fsdp_offload and self.kernels == "cuda":  # (on the CPU all of it is the host)
-            _offload_fsdp_state(trainer, mem)
+            _offload_fsdp_state(trainer.master, mem)
         if cfg.offload and self.kernels == "cuda":  # upipe train offloads only from CUDA
             trainer.model.offload = make_offloader(n_layers, cfg.features(), HOST_DEVICE)
         trainer.batch = types.MethodType(_synthetic_batch, trainer)
+        self.trainers[n_layers] = trainer
+        job = TrainerJob(trainer)
         # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
         with _kernels(self.kernels):
-            _measure(trainer, self._shortest())
-        return trainer
+            measure_step(job, self._shortest())
+        return job
 
-    def _shortest(self) -> int:
-        for seq_len in range(2 * self.world, 10**6, 2 * self.world):
-            cfg = dataclasses.replace(self.cfg, seq_len=seq_len)
-            if validate(cfg, self.world, self.model_config) is None:
-                return seq_len
-        raise ValueError(f"no valid sequence length for {self.cfg.strategy} on {self.world}")
+    def _problem(self, seq_len: int) -> str | None:
+        return validate(
+            dataclasses.replace(self.cfg, seq_len=seq_len), self.world, self.model_config
+        )
 
     def __exit__(self, *exc):
         self.trainers = {}
-        self._stack.close()
-
-    def step(self, seq_len: int, *, explain: bool = False) -> StepMemory:
-        """Memory of one training step at `seq_len` tokens per sequence."""
-        problem = validate(
-            dataclasses.replace(self.cfg, seq_len=seq_len), self.world, self.model_config
-        )
-        if problem:
-            raise ValueError(problem)
-        with (
-            sampled_loops() if self.sample_loops else contextlib.nullcontext(),
-            _kernels(self.kernels),
-        ):
-            runs = [_measure(self.trainers[n], seq_len, explain) for n in self.depths]
-        if len(runs) == 1:
-            return runs[0]
-        (n0, n1), N = self.depths, self.model_config.n_layers
-
-        def at_depth(a: int, b: int) -> int:
-            return b + (b - a) * (N - n1) // (n1 - n0)
-
-        phases = {
-            k: at_depth(runs[0].phase_bytes.get(k, 0), v) for k, v in runs[1].phase_bytes.items()
-        }
-        return StepMemory(
-            seq_len=seq_len,
-            peak_bytes=max(phases.values()),
-            persistent_bytes=at_depth(runs[0].persistent_bytes, runs[1].persistent_bytes),
-            host_peak_bytes=at_depth(runs[0].host_peak_bytes, runs[1].host_peak_bytes),
-            phase_bytes=phases,
-            at_peak=runs[1].at_peak,
-        )
+        super().__exit__(*exc)
 
 
 def _synthetic_batch(trainer, index: int, *, held_out: bool = False) -> list[tuple]:
@@ -503,24 +616,24 @@ def _synthetic_batch(trainer, index: int, *, held_out: bool = False) -> list[tup
 
 
 def _measure(trainer, seq_len: int, explain: bool = False) -> StepMemory:
-    """One step of `trainer` at `seq_len`: the peak of every live storage it allocated
+    """`measure_step` of a `Trainer` (with a `tracker`)."""
+    return measure_step(TrainerJob(trainer), seq_len, explain)
+
+
+def measure_step(job: SimulatedJob, seq_len: int, explain: bool = False) -> StepMemory:
+    """One step of `job` at `seq_len`: the peak of every live storage it allocated
     (parameters, optimizer states, any buffer kept between steps, and the step's own)."""
-    trainer.cfg = dataclasses.replace(trainer.cfg, seq_len=seq_len)
-    if trainer.model.offload is not None:
-        # a fresh arena: the previous length's must not count as host memory held before
-        # the step (a real run frees the old arena before allocating the new one)
-        n_layers = len(trainer.model.model.layers)
-        trainer.model.offload = make_offloader(n_layers, trainer.cfg.features(), HOST_DEVICE)
-    mem = trainer.tracker
+    job.set_length(seq_len)
+    mem = job.tracker
     persistent = mem.current_bytes
     mem.peak_bytes, mem.phase_peak_bytes, mem.host_peak_bytes = persistent, {}, mem.host_bytes
     mem.phase, mem._what, mem.at_peak = "forward", ({} if explain else None), []
     with mem:
-        trainer.forward_backward(0)
+        job.forward_backward()
         mem.phase = "optimizer"
         mem.phase_peak_bytes["optimizer"] = mem.current_bytes  # (if it allocates nothing)
         with mem.on_host(mem.optimizer_on_host):
-            trainer.optimizer_step()
+            job.optimizer_step()
     mem._what = None
     return StepMemory(
         seq_len=seq_len,
