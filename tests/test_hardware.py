@@ -193,3 +193,19 @@ def test_recommend_times_the_kernel_with_measured_rates(tmp_path):
     with pytest.raises(ValueError, match="'fa3' does not run on a100"):
         pc3 = dataclasses.replace(pc, attention_kernel="fa3")
         recommend(pc3, RecommendConfig(recommend=True, seq_len=2048, hardware="a100"))
+
+
+def test_attention_counts_are_torchs_and_take_gqa():
+    """The planner's SDPA counts equal torch.utils.flop_counter's where torch's apply (equal
+    query and kv heads; torch 2.11's assert otherwise), and count the query heads under GQA."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from upipe.planner.timing import _attention_backward, _attention_forward
+
+    q, kv = (2, 8, 256, 64), (2, 8, 192, 64)
+    assert _attention_forward(q, kv, kv) == sdpa_flop_count(q, kv, kv)
+    assert _attention_backward(q, q, kv, kv, q, None) == sdpa_backward_flop_count(q, q, kv, kv)
+    assert _attention_forward(q, kv, kv, is_causal=True) == sdpa_flop_count(q, kv, kv) // 2
+    gqa = (2, 2, 192, 64)  # 2 kv heads for 8 query heads: the same work per query head
+    assert _attention_forward(q, gqa, gqa) == sdpa_flop_count(q, kv, kv)
+    assert _attention_backward(q, q, gqa, gqa, q, None) == sdpa_backward_flop_count(q, q, kv, kv)

@@ -64,12 +64,7 @@ from fractions import Fraction
 from unittest import mock
 
 import torch
-from torch.utils.flop_counter import (
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-    shape_wrapper,
-)
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from upipe.memory.simulate import CollectiveLog
 from upipe.memory.tracker import _plain_tensors
@@ -97,14 +92,20 @@ _COPIES = {_aten.copy_, _aten._to_copy, _aten.clone}
 
 
 def _attention_forward(q, k, v, dropout_p=0.0, is_causal=False, **_):
-    """torch's SDPA forward count (Q K^T and P V, 4 B h Sq Sk d), halved when causal: the
-    kernel skips the blocks above the diagonal, so it does S (S + 1) / 2 of the S^2 pairs."""
-    return sdpa_flop_count(q, k, v) // (2 if is_causal else 1)
+    """The SDPA forward count of `torch.utils.flop_counter` (Q K^T and P V over the H query
+    heads: 2 B H Sq Sk (d + dv)), halved when causal: the kernel skips the blocks above the
+    diagonal, so it does S (S + 1) / 2 of the S^2 pairs. Written here rather than called:
+    torch 2.11's `sdpa_flop_count` asserts equal query and kv head counts (GQA fails)."""
+    (b, h, s_q, d), (_, _, s_k, _), d_v = q, k, v[-1]
+    return 2 * b * h * s_q * s_k * (d + d_v) // (2 if is_causal else 1)
 
 
 def _attention_backward(dout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, **_):
-    """torch's SDPA backward count (five products: 2.5x the forward), halved when causal."""
-    return sdpa_backward_flop_count(dout, q, k, v) // (2 if is_causal else 1)
+    """The SDPA backward count of `torch.utils.flop_counter` (five products: S = Q K^T again,
+    dO V^T, P^T dO, dS K, dS^T Q: 2 B H Sq Sk (3 d + 2 dv), 2.5x the forward for d = dv),
+    halved when causal."""
+    (b, h, s_q, d), (_, _, s_k, _), d_v = q, k, v[-1]
+    return 2 * b * h * s_q * s_k * (3 * d + 2 * d_v) // (2 if is_causal else 1)
 
 
 def _addmm_(acc, a, b, **_):
