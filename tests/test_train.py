@@ -288,6 +288,9 @@ def test_a_stopped_run_says_so_and_leaks_nothing(tmp_path, sig, code, by):
         [sys.executable, "-m", "upipe", "train", "--steps", "500", "--seq-len", "512",
          "--nproc", "2", "--plot", "", "--data", CORPUS, "--checkpoint-dir", "ck"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        # as in a terminal: a shell's background job (CI's, say) starts with SIGINT ignored,
+        # which the child would inherit, and Python then installs no Ctrl-C handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
