@@ -22,6 +22,7 @@ not imported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -104,6 +105,16 @@ def config_from_hf(hf: dict | str | Path) -> ModelConfig:
             raise ValueError(
                 f"{key}={hf[key]!r} is not supported by upipe.model.CausalLM (it needs {wanted!r})"
             )
+    return dataclasses.replace(
+        hf_shapes(hf), rope_theta=_rope_theta(hf), norm_eps=hf.get("rms_norm_eps", 1e-6)
+    )
+
+
+def hf_shapes(hf: dict) -> ModelConfig:
+    """The shapes of a Hugging Face decoder's `config.json` as a `ModelConfig` (widths, heads,
+    depth, vocabulary, QK-norm, tied embeddings; RoPE and the norm's eps left at their
+    defaults): what `config_from_hf` builds on, and what the planner of the Hugging Face path
+    (`upipe.planner.hf`) needs of any supported architecture."""
     n_heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -113,9 +124,7 @@ def config_from_hf(hf: dict | str | Path) -> ModelConfig:
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         ffn_dim=hf["intermediate_size"],
-        rope_theta=_rope_theta(hf),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        qk_norm=model_type == "qwen3",
+        qk_norm=hf.get("model_type") == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from upipe.model import ModelConfig
+from upipe.model.hf_checkpoint import hf_shapes
 from upipe.planner.step import (
     HOST_DEVICE,
     JobSimulator,
@@ -109,18 +110,7 @@ def shapes(hf: dict) -> ModelConfig:
     """The `ModelConfig` of the config's shapes (for the checks of `upipe.train.config.
     validate`, the candidates' heads per stage, the depth extrapolation and the time model;
     the simulated model is transformers')."""
-    H = hf["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=H,
-        n_kv_heads=hf["num_key_value_heads"] or H,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // H,
-        ffn_dim=hf["intermediate_size"],
-        qk_norm=hf["model_type"] == "qwen3",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
+    return hf_shapes(hf)
 
 
 def build_config(hf: dict, n_layers: int | None = None):
