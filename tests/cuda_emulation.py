@@ -120,12 +120,18 @@ def _scale(scale: float | None, d: int) -> float:
 # --- fp32 math on [B, heads, len, d] ---------------------------------------------------
 
 
-def _scores(q_BHMd, k_BHNd, scale, causal, bottom_right):
+def _scores(q_BHMd, k_BHNd, scale, causal, bottom_right, window_left=-1):
+    """Scaled scores with -inf where masked: causal above the (top-left or bottom-right)
+    diagonal, and with `window_left` >= 0 (flash_api.cpp: -1 is unlimited) left of it:
+    row i, aligned at key i + shift, sees keys i + shift - window_left .. i + shift."""
     s_BHMN = torch.matmul(q_BHMd.float(), k_BHNd.float().transpose(-1, -2)) * scale
+    M, N = s_BHMN.shape[-2:]
+    shift = N - M if bottom_right else 0
     if causal:
-        M, N = s_BHMN.shape[-2:]
-        shift = N - M if bottom_right else 0
         mask = torch.ones(M, N, dtype=torch.bool).triu(1 + shift)
+        s_BHMN = s_BHMN.masked_fill(mask, float("-inf"))
+    if window_left >= 0:
+        mask = torch.ones(M, N, dtype=torch.bool).tril(shift - window_left - 1)
         s_BHMN = s_BHMN.masked_fill(mask, float("-inf"))
     return s_BHMN
 
@@ -134,21 +140,23 @@ def _expand(t_BGNd, H):
     return t_BGNd.repeat_interleave(H // t_BGNd.shape[1], dim=1)
 
 
-def _forward_math(q_BHMd, k_BGNd, v_BGNd, scale, causal, bottom_right):
+def _forward_math(q_BHMd, k_BGNd, v_BGNd, scale, causal, bottom_right, window_left=-1):
     """(out fp32 [B, H, M, d], lse fp32 [B, H, M]; -inf on fully masked rows)."""
     H = q_BHMd.shape[1]
-    s_BHMN = _scores(q_BHMd, _expand(k_BGNd, H), scale, causal, bottom_right)
+    s_BHMN = _scores(q_BHMd, _expand(k_BGNd, H), scale, causal, bottom_right, window_left)
     lse_BHM = torch.logsumexp(s_BHMN, dim=-1)
     p_BHMN = torch.exp(s_BHMN - lse_BHM[..., None])
     p_BHMN = torch.where(torch.isfinite(lse_BHM)[..., None], p_BHMN, 0.0)
     return torch.matmul(p_BHMN, _expand(v_BGNd, H).float()), lse_BHM
 
 
-def _backward_math(do_BHMd, q_BHMd, k_BGNd, v_BGNd, o_BHMd, lse_BHM, scale, causal, bottom_right):
+def _backward_math(
+    do_BHMd, q_BHMd, k_BGNd, v_BGNd, o_BHMd, lse_BHM, scale, causal, bottom_right, window_left=-1
+):
     """(dq, dk, dv) in fp32 from the saved out and lse; dk/dv summed to G heads."""
     H, G = q_BHMd.shape[1], k_BGNd.shape[1]
     kk, vv = _expand(k_BGNd, H).float(), _expand(v_BGNd, H).float()
-    s_BHMN = _scores(q_BHMd, kk, scale, causal, bottom_right)
+    s_BHMN = _scores(q_BHMd, kk, scale, causal, bottom_right, window_left)
     p_BHMN = torch.exp(s_BHMN - lse_BHM.float()[..., None])
     do = do_BHMd.float()
     dv = torch.matmul(p_BHMN.transpose(-1, -2), do)

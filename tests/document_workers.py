@@ -17,12 +17,15 @@ from upipe.comm import sequence_positions, shard_sequence, unshard_sequence
 from upipe.packing import document_positions
 
 
-def doc_mask(cu, S, causal):
-    """allowed[i, t]: query i may see key t (same document, and t <= i when causal)."""
+def doc_mask(cu, S, causal, window=None):
+    """allowed[i, t]: query i may see key t (same document, and t <= i when causal, and
+    i - t < window with a sliding window)."""
     doc = torch.zeros(S, dtype=torch.long)
     for e in cu[1:-1]:
         doc[e:] += 1
     allowed = doc[:, None] == doc[None, :]
+    if window is not None:
+        allowed &= torch.ones(S, S, dtype=torch.bool).triu(1 - window)
     return allowed & torch.ones(S, S, dtype=torch.bool).tril() if causal else allowed
 
 
@@ -35,22 +38,23 @@ def masked_attention(q, k, v, allowed, scale=None):
     return torch.einsum("bhst,bthd->bshd", s.softmax(-1), v.repeat_interleave(H // G, 2))
 
 
-def doc_reference(shape, cu, causal=True):
-    """(out, dq, dk, dv) over the full sequence in float64 with the document mask."""
+def doc_reference(shape, cu, causal=True, window=None):
+    """(out, dq, dk, dv) over the full sequence in float64 with the document mask (and
+    sliding window)."""
     q, k, v, dout = (t.double().requires_grad_() for t in make_qkv(**shape))
-    out = masked_attention(q, k, v, doc_mask(cu, shape["S"], causal))
+    out = masked_attention(q, k, v, doc_mask(cu, shape["S"], causal, window))
     out.backward(dout.detach())
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
 
-def one_device(shape, cu, dtype, causal=True, backend=None):
+def one_device(shape, cu, dtype, causal=True, backend=None, window=None):
     """The same document-masked attention on one device in `dtype` (the bf16 baseline)."""
     from upipe.attention.documents import local_backward, local_forward
     from upipe.packing import check_cu_seqlens
 
     q, k, v, dout = (t.to(dtype) for t in make_qkv(**shape))
     bounds = check_cu_seqlens(cu, shape["S"])
-    kw = dict(causal=causal, softmax_scale=None, backend=backend)
+    kw = dict(causal=causal, softmax_scale=None, backend=backend, window=window)
     out, lse = local_forward(q, k, v, bounds, **kw)
     return [out, *local_backward(dout, q, k, v, out, lse, bounds, **kw)]
 
@@ -89,9 +93,9 @@ def run_docs_mesh(rank, world_size, dims, strategy, shape, kwargs, cu, dtype=tor
     return pos, [t.detach().double() for t in (out, *(x.grad for x in leaves))]
 
 
-def module_doc_reference(cfg, cu):
-    """y, dx and weight gradients of the attention layer with the document mask (fp64);
-    RoPE positions restart per document."""
+def module_doc_reference(cfg, cu, window=None):
+    """y, dx and weight gradients of the attention layer with the document mask (and
+    sliding window) in fp64; RoPE positions restart per document."""
     from upipe.rope import apply_rope, rope_cos_sin
 
     x, dy, _ = make_module_inputs(**cfg, dtype=torch.float64)
@@ -104,7 +108,7 @@ def module_doc_reference(cfg, cu):
     q, k = (x @ w["q_proj"].t()).view(B, S, -1, d), (x @ w["k_proj"].t()).view(B, S, -1, d)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = (x @ w["v_proj"].t()).view(B, S, -1, d)
-    y = masked_attention(q, k, v, doc_mask(cu, S, True)).flatten(2) @ w["o_proj"].t()
+    y = masked_attention(q, k, v, doc_mask(cu, S, True, window)).flatten(2) @ w["o_proj"].t()
     y.backward(dy)
     return {"y": y.detach(), "dx": x.grad, **{n: t.grad for n, t in w.items()}}
 

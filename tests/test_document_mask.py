@@ -100,10 +100,11 @@ def test_block_calls_are_exactly_the_mask(layout, C, causal):
             for src in range(C):
                 segs = layout_segments(layout, C, src, L)
                 k_pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs])
-                for qs, ks, c in block_calls(
+                for qs, ks, c, (q0, k0) in block_calls(
                     bounds, layout_segments(layout, C, r, L), segs, causal
                 ):
                     qi, ki = q_pos[qs], k_pos[ks]
+                    assert (q0, k0) == (qi[0], ki[0])  # the calls' global positions
                     vis = torch.ones(len(qi), len(ki), dtype=torch.long)
                     if c:
                         assert torch.equal(qi, ki)

@@ -70,6 +70,18 @@ def _check_common(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p):
     return list(zip(cq, cq[1:], ck, ck[1:], strict=False))
 
 
+def _window_left(left, right, is_causal, max_k):
+    """The window's left size as mha_varlen_fwd / mha_varlen_bwd normalise it: None or
+    >= max_seqlen_k is -1 (unlimited); a right size must be unlimited or 0 with is_causal
+    (the only form upipe passes; the kernel sets right = 0 when causal)."""
+    right = -1 if right is None or right >= max_k else right
+    _check(
+        right == -1 or (is_causal and right == 0),
+        "varlen_emulation: only causal windows (right 0) are emulated",
+    )
+    return -1 if left is None or left >= max_k else left
+
+
 def _seq(t_Tnd, a, b):
     return t_Tnd[a:b].transpose(0, 1).unsqueeze(0)  # [1, heads, len, d]
 
@@ -121,9 +133,10 @@ def _forward(
     out = torch.empty_like(query)
     lse_HT = torch.empty(H, T, dtype=torch.float32)
     s = _scale(scale, d)
+    left = _window_left(window_size_left, window_size_right, is_causal, max_k)
     for qa, qb, ka, kb in spans:
         o, lse = _forward_math(
-            _seq(query, qa, qb), _seq(key, ka, kb), _seq(value, ka, kb), s, is_causal, True
+            _seq(query, qa, qb), _seq(key, ka, kb), _seq(value, ka, kb), s, is_causal, True, left
         )
         out[qa:qb] = o[0].transpose(0, 1).to(query.dtype)
         lse_HT[:, qa:qb] = lse[0]
@@ -183,6 +196,7 @@ def _backward(
     )
     dq, dk, dv = (torch.empty_like(t) for t in (query, key, value))
     s = _scale(scale, d)
+    left = _window_left(window_size_left, window_size_right, is_causal, max_k)
     for qa, qb, ka, kb in spans:
         grads = _backward_math(
             _seq(grad_out, qa, qb),
@@ -194,6 +208,7 @@ def _backward(
             s,
             is_causal,
             True,
+            left,
         )
         for acc, g, (a, b) in zip((dq, dk, dv), grads, ((qa, qb), (ka, kb), (ka, kb)), strict=True):
             acc[a:b] = g[0].transpose(0, 1).to(acc.dtype)

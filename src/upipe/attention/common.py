@@ -26,6 +26,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
 from upipe.kernels import check_kernel
 from upipe.mesh import check_mesh, validation_group
@@ -269,6 +270,7 @@ def validate_qkv(
     agree=None,
     split_heads=True,
     uneven=False,
+    window=None,
 ):
     """Full validation of a strategy's (q, k, v) on every rank.
 
@@ -279,7 +281,8 @@ def validate_qkv(
     options all ranks must agree on. `extra` is an optional callable(C) with
     strategy-specific local checks, called once the common checks passed (so q, k, v are
     valid 4-D tensors by then). `uneven`: the strategy splits heads unevenly where C does not
-    divide them (`check_qkv_local`).
+    divide them (`check_qkv_local`). `window`: the strategy's sliding window
+    (`upipe.attention.window.check_window`), which all ranks must agree on.
     """
     C = check_group(group)
 
@@ -296,6 +299,7 @@ def validate_qkv(
             size_name=None if agree is None else "ulysses size",
             uneven=uneven and split_heads,
         )
+        check_window(window, causal)
         if extra is not None:
             extra(C)
 
@@ -308,6 +312,7 @@ def validate_qkv(
             "causal": causal,
             "softmax_scale": softmax_scale,
             "backend": backend,
+            "window": window,
             **(extra_signature or {}),
         }
 

@@ -41,6 +41,7 @@ import itertools
 import torch
 
 from upipe.attention import varlen
+from upipe.attention.window import block_backward, block_forward, reaches
 from upipe.kernels import acc_dtype, attention_backward, attention_forward, prepare_kernel
 
 
@@ -61,9 +62,12 @@ def layout_segments(layout: str, C: int, r: int, L: int) -> tuple[Segment, ...]:
     return (Segment(0, r * c, c), Segment(c, (2 * C - 1 - r) * c, c))
 
 
-def block_calls(bounds, q_segs, k_segs, causal: bool) -> list[tuple[slice, slice, bool]]:
-    """The kernel calls (query slice, key slice, causal) of attention from the tokens of
-    `q_segs` to those of `k_segs` under the document mask (module doc); [] if none."""
+def block_calls(bounds, q_segs, k_segs, causal: bool, window=None) -> list[tuple]:
+    """The kernel calls (query slice, key slice, causal, (q0, k0)) of attention from the
+    tokens of `q_segs` to those of `k_segs` under the document mask (module doc), q0 and k0
+    the global positions of the call's first row and key; [] if none. With a sliding
+    `window` (`upipe.attention.window`) calls whose rows see none of their keys are left
+    out; the others still span the document's rows and keys (the window applies inside)."""
     calls = []
     for qs in q_segs:
         for ks in k_segs:
@@ -77,9 +81,11 @@ def block_calls(bounds, q_segs, k_segs, causal: bool) -> list[tuple[slice, slice
                 if q0 >= q1 or k0 >= k1:
                     continue
                 assert same or lo >= hi, "segments must be equal or disjoint"
+                if not reaches(q0, q1 - q0, k0, k1 - k0, window):
+                    continue
                 q_sl = slice(q0 - qs.start + qs.at, q1 - qs.start + qs.at)
                 k_sl = slice(k0 - ks.start + ks.at, k1 - ks.start + ks.at)
-                calls.append((q_sl, k_sl, causal and same))
+                calls.append((q_sl, k_sl, causal and same, (q0, k0)))
     return calls
 
 
@@ -95,49 +101,81 @@ def block_backend(q, backend, docs):
     return backend if docs is None else _kernel(q, backend)
 
 
-def local_forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale, backend):
+def _doc_forward(q, k, v, a, *, causal, softmax_scale, backend, window):
+    """One document's (out, lse), its first token at position `a`: the plain kernel call,
+    or the sliding window's calls (`upipe.attention.window`)."""
+    return block_forward(
+        q,
+        k,
+        v,
+        q0=a,
+        k0=a,
+        causal=causal,
+        window=window,
+        softmax_scale=softmax_scale,
+        backend=backend,
+    )
+
+
+def local_forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale, backend, window=None):
     """(out_BPud, lse_BuP) of attention over P tokens in sequence order, document-masked:
     one kernel call per document (each row lies in exactly one, so no merge), or one varlen
-    call for all of them where the kernel has one (module doc, varlen.py)."""
+    call for all of them where the kernel has one (module doc, varlen.py). `window`: a
+    causal sliding window inside each document (`upipe.attention.window`)."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
-    if len(bounds) == 2:  # one document: plain attention, no copies
+    if len(bounds) == 2 and window is None:  # one document: plain attention, no copies
         return attention_forward(q_BPud, k_BPkd, v_BPkd, **kw)
     kw["backend"] = kernel = _kernel(q_BPud, backend)
-    if varlen.use_varlen(kernel):
+    if varlen.use_varlen(kernel, window):
         return varlen.forward(
-            q_BPud, k_BPkd, v_BPkd, bounds, causal=causal, softmax_scale=softmax_scale
+            q_BPud,
+            k_BPkd,
+            v_BPkd,
+            bounds,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window=window,
         )
+    if len(bounds) == 2:
+        return _doc_forward(q_BPud, k_BPkd, v_BPkd, 0, window=window, **kw)
     B, P, u, _ = q_BPud.shape
     out_BPud = torch.empty_like(q_BPud)
     lse_BuP = torch.empty(B, u, P, dtype=acc_dtype(q_BPud.dtype), device=q_BPud.device)
     for a, b in itertools.pairwise(bounds):
-        o, lse = attention_forward(q_BPud[:, a:b], k_BPkd[:, a:b], v_BPkd[:, a:b], **kw)
+        o, lse = _doc_forward(
+            q_BPud[:, a:b], k_BPkd[:, a:b], v_BPkd[:, a:b], a, window=window, **kw
+        )
         out_BPud[:, a:b] = o
         lse_BuP[:, :, a:b] = lse
         del o, lse
     return out_BPud, lse_BuP
 
 
-def local_backward(dout, q, k, v, out, lse, bounds, *, causal, softmax_scale, backend):
+def local_backward(dout, q, k, v, out, lse, bounds, *, causal, softmax_scale, backend, window=None):
     """(dq, dk, dv) of `local_forward` from its saved out and lse, per document (or in one
     varlen call where `local_forward` made one)."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
-    if len(bounds) == 2:
+    if len(bounds) == 2 and window is None:
         return attention_backward(dout, q, k, v, out, lse, **kw)
     kw["backend"] = kernel = _kernel(q, backend)
-    if varlen.use_varlen(kernel):
+    if varlen.use_varlen(kernel, window):
         kw.pop("backend")
-        return varlen.backward(dout, q, k, v, out, lse, bounds, **kw)
+        return varlen.backward(dout, q, k, v, out, lse, bounds, window=window, **kw)
+    if len(bounds) == 2:
+        return block_backward(dout, q, k, v, out, lse, q0=0, k0=0, window=window, **kw)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for a, b in itertools.pairwise(bounds):
         rows = slice(a, b)
-        grads = attention_backward(
+        grads = block_backward(
             dout[:, rows],
             q[:, rows],
             k[:, rows],
             v[:, rows],
             out[:, rows],
             lse[:, :, rows].contiguous(),
+            q0=a,
+            k0=a,
+            window=window,
             **kw,
         )
         for acc, g in zip((dq, dk, dv), grads, strict=True):

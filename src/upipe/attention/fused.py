@@ -304,6 +304,7 @@ def fused_upipe_attention(
     ring_layout="zigzag",
     overlap=None,
     docs=None,
+    window=None,
 ):
     """y = o_proj(UPipe(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with everything staged.
 
@@ -321,7 +322,8 @@ def fused_upipe_attention(
     exchanges during the current stage's attention (see the module doc; None:
     `default_overlap`). `docs`: validated document boundaries of the full sequence
     (`upipe.packing.check_cu_seqlens`; a tuple of ints) -- each stage's attention is then
-    document-masked, forward and recomputed backward alike; None: one document.
+    document-masked, forward and recomputed backward alike; None: one document. `window`:
+    a validated causal sliding window (`upipe.attention.window`), or None.
     Inputs are not validated here: `ContextParallelAttention` does that. Inside an
     activation checkpoint that keeps attention outputs, the forward keeps the stage outputs
     and lse and the recomputation reuses them (`upipe.attention.kept`).
@@ -331,7 +333,7 @@ def fused_upipe_attention(
         rounds=tuple(rounds),
         head_dim=head_dim,
         ex=HeadExchange(group, layout),
-        attn=StageAttention(causal, softmax_scale, backend, ring_group, ring_layout, docs),
+        attn=StageAttention(causal, softmax_scale, backend, ring_group, ring_layout, docs, window),
         rope_interleaved=rope_interleaved,
         norm_eps=norm_eps,
         overlap=default_overlap(x, group) if overlap is None else bool(overlap),

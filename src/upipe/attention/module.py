@@ -36,6 +36,7 @@ from upipe.attention.fused import fused_upipe_attention
 from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage, plan_schedule
 from upipe.attention.usp import usp_attention
+from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
 from upipe.kernels import BACKENDS, check_kernel
 from upipe.rope import apply_rope, rope_cos_sin
@@ -52,6 +53,9 @@ class ContextParallelAttention(nn.Module):
     (layout of the ring dim, default "zigzag"; `sequence_positions(S, mesh=mesh)` gives
     their positions), and C is the ulysses size.
     Exactly one of group/mesh. All ranks call it together (it communicates).
+    `window`: a causal sliding window (token i sees keys i-window+1 .. i, as transformers'
+    `sliding_window` on a "sliding_attention" layer; None: full attention), with work
+    proportional to the window (`upipe.attention.window`).
     `overlap` (strategy "upipe"): start each next stage's all-to-alls while the current
     stage's attention runs (same results bit for bit; costs up to 8 stage buffers, 8U/H of
     one [B, L, H*d] tensor; `upipe.attention.fused`). None: on for CUDA inputs of at most
@@ -78,6 +82,7 @@ class ContextParallelAttention(nn.Module):
         norm_eps: float = 1e-6,
         causal: bool = True,
         backend: str | None = None,
+        window: int | None = None,
         device=None,
         dtype=None,
     ):
@@ -138,7 +143,8 @@ class ContextParallelAttention(nn.Module):
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-        self.causal, self.backend = causal, backend
+        check_window(window, causal)
+        self.causal, self.backend, self.window = causal, backend, window
         kw = dict(bias=False, device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
@@ -157,7 +163,8 @@ class ContextParallelAttention(nn.Module):
         return (
             f"strategy={self.strategy!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, heads_per_stage={self.heads_per_stage}, "
-            f"group_size={torch.distributed.get_world_size(self.group)}"
+            + ("" if self.window is None else f"window={self.window}, ")
+            + f"group_size={torch.distributed.get_world_size(self.group)}"
             + ("" if self.mesh is None else f", ring={self.mesh['ring'].size()}")
         )
 
@@ -250,6 +257,7 @@ class ContextParallelAttention(nn.Module):
                 ring_layout=self.layout,
                 overlap=self.overlap,
                 docs=docs,
+                window=self.window,
             )
             return y if self.o_proj.bias is None else y + self.o_proj.bias
         B, L, _ = x.shape
@@ -259,7 +267,7 @@ class ContextParallelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
-        kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs)
+        kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, window=self.window)
         if self.mesh is None:
             op = get_strategy(self.strategy).op
             out = op(q, k, v, group=self.group, layout=self.layout, **kw)

@@ -34,7 +34,8 @@ class Strategy:
     name: str
     op: Callable | None
     """The functional op `op(q, k, v, *, group | mesh, causal, softmax_scale, backend,
-    layout, cu_seqlens)` (every op takes document boundaries, `upipe.attention.documents`);
+    layout, cu_seqlens, window)` (every op takes document boundaries,
+    `upipe.attention.documents`, and a sliding window, `upipe.attention.window`);
     None for "none" (no context parallelism: the model's own attention, which takes
     `cu_seqlens` too)."""
     group: bool

@@ -54,6 +54,7 @@ from upipe.attention.common import (
     validate_qkv,
 )
 from upipe.attention.documents import block_backend, block_calls, layout_segments
+from upipe.attention.window import block_backward, block_forward, merge_
 from upipe.comm import ring_send_recv
 from upipe.kernels import acc_dtype, attention_backward, attention_forward
 
@@ -74,97 +75,118 @@ def _block(layout, causal, rank, src, L):
     return slice(L // 2, L), full, False
 
 
-def _blocks(layout, causal, L, C, docs):
+def _blocks(layout, causal, L, C, docs, window):
     """What each step computes as a function of (rank, source rank), for `loops.ring_steps`:
-    without documents `_block`; with document boundaries `docs` the list of kernel calls
-    (query slice, key slice, causal) that `documents.block_calls` makes, or None if none."""
-    if docs is None:
+    without documents or window `_block`; with document boundaries `docs` or a sliding
+    `window` the list of kernel calls (query slice, key slice, causal, (q0, k0)) that
+    `documents.block_calls` makes, or None if none."""
+    if docs is None and window is None:
         return lambda rank, src: _block(layout, causal, rank, src, L)
+    bounds = docs if docs is not None else (0, C * L)
 
     def block(rank, src):
         q_segs, k_segs = (layout_segments(layout, C, i, L) for i in (rank, src))
-        return block_calls(docs, q_segs, k_segs, causal) or None
+        return block_calls(bounds, q_segs, k_segs, causal, window) or None
 
     return block
 
 
-def _calls(block, docs):
-    """The kernel calls of a step's block (see `_blocks`)."""
+def _calls(block, masked):
+    """The kernel calls of a step's block (see `_blocks`), each (query slice, key slice,
+    causal, (q0, k0) or None)."""
     if block is None:
         return ()
-    return block if docs is not None else (block,)
+    return block if masked else ((*block, None),)
 
 
-def _merge(out_BLHd, lse_BHL, part_BLHd, part_lse_BHL):
-    """In place: (out, lse) <- the softmax-weighted combination of (out, lse) and the part."""
-    new_BHL = torch.logaddexp(lse_BHL, part_lse_BHL)
-    w_old = torch.exp(lse_BHL - new_BHL).transpose(1, 2).unsqueeze(-1)  # [B, L, H, 1]
-    w_part = torch.exp(part_lse_BHL - new_BHL).transpose(1, 2).unsqueeze(-1)
-    out_BLHd.mul_(w_old).add_(part_BLHd * w_part)
-    lse_BHL.copy_(new_BHL)
-
-
-def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs=None):
+def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs=None, window=None):
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
     acc, backend = acc_dtype(q_BLHd.dtype), block_backend(q_BLHd, backend, docs)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
+    masked = docs is not None or window is not None
     out_BLHd = lse_BHL = None
-    if docs is not None:  # rows no call covers yet: out 0, lse -inf (no contribution)
+    if masked:  # rows no call covers yet: out 0, lse -inf (no contribution)
         B, _, H, d = q_BLHd.shape
         out_BLHd = torch.zeros(B, L, H, d, dtype=acc, device=q_BLHd.device)
         lse_BHL = torch.full((B, H, L), float("-inf"), dtype=acc, device=q_BLHd.device)
-    for _, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L, C, docs)):
+    steps = _blocks(layout, causal, L, C, docs, window)
+    for _, block, receives in loops.ring_steps(C, r, steps):
         pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
-        for qs, ks, block_causal in _calls(block, docs):
-            part_BLHd, part_lse_BHL = attention_forward(
+        for qs, ks, block_causal, starts in _calls(block, masked):
+            part_BLHd, part_lse_BHL = _attend(
                 q_BLHd[:, qs],
                 kv_2BLGd[0][:, ks],
                 kv_2BLGd[1][:, ks],
-                causal=block_causal,
-                softmax_scale=scale,
-                backend=backend,
+                block_causal,
+                starts,
+                window,
+                scale,
+                backend,
             )
             if out_BLHd is None:  # step 0: the local block, which covers every query
                 out_BLHd = part_BLHd.to(acc).contiguous()
                 lse_BHL = part_lse_BHL.to(acc).contiguous()
             else:
-                _merge(out_BLHd[:, qs], lse_BHL[:, :, qs], part_BLHd, part_lse_BHL)
+                merge_(out_BLHd[:, qs], lse_BHL[:, :, qs], part_BLHd, part_lse_BHL)
             del part_BLHd, part_lse_BHL
         if pending is not None:
             kv_2BLGd = pending.wait()
     return out_BLHd.to(q_BLHd.dtype), lse_BHL
 
 
-def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=None):
+def _attend(q, k, v, causal, starts, window, scale, backend):
+    """One call's (out, lse): the kernel, or with a `window` the band of the call at global
+    positions `starts` = (q0, k0) (`upipe.attention.window`)."""
+    kw = dict(softmax_scale=scale, backend=backend)
+    if window is None:
+        return attention_forward(q, k, v, causal=causal, **kw)
+    q0, k0 = starts
+    return block_forward(q, k, v, q0=q0, k0=k0, causal=causal, window=window, **kw)
+
+
+def _attend_backward(dout, q, k, v, out, lse, causal, starts, window, scale, backend):
+    """(dq, dk, dv) of `_attend`."""
+    kw = dict(softmax_scale=scale, backend=backend)
+    if window is None:
+        return attention_backward(dout, q, k, v, out, lse, causal=causal, **kw)
+    q0, k0 = starts
+    return block_backward(dout, q, k, v, out, lse, q0=q0, k0=k0, causal=causal, window=window, **kw)
+
+
+def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=None, window=None):
     group, causal, scale, backend, layout = args
     C, r, L = dist.get_world_size(group), dist.get_rank(group), q_BLHd.shape[1]
     acc, backend = acc_dtype(q_BLHd.dtype), block_backend(q_BLHd, backend, docs)
     kv_2BLGd = torch.stack((k_BLGd, v_BLGd)) if C > 1 else (k_BLGd, v_BLGd)
     dq_BLHd = torch.zeros(q_BLHd.shape, dtype=acc, device=q_BLHd.device)
     dkv_2BLGd = dkv_pending = None
-    for first, block, receives in loops.ring_steps(C, r, _blocks(layout, causal, L, C, docs)):
+    masked = docs is not None or window is not None
+    steps = _blocks(layout, causal, L, C, docs, window)
+    for first, block, receives in loops.ring_steps(C, r, steps):
         kv_pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
         pieces = []  # (key slice, dk, dv) of the step's calls, added once the sum arrives
-        for qs, ks, block_causal in _calls(block, docs):
-            dq, dk, dv = attention_backward(
+        for qs, ks, block_causal, starts in _calls(block, masked):
+            dq, dk, dv = _attend_backward(
                 dout_BLHd[:, qs],
                 q_BLHd[:, qs],
                 kv_2BLGd[0][:, ks],
                 kv_2BLGd[1][:, ks],
                 out_BLHd[:, qs],
                 lse_BHL[:, :, qs].contiguous(),
-                causal=block_causal,
-                softmax_scale=scale,
-                backend=backend,
+                block_causal,
+                starts,
+                window,
+                scale,
+                backend,
             )
             dq_BLHd[:, qs] += dq
             pieces.append((ks, dk, dv))
             del dq, dk, dv
-        if first and docs is None:  # the local block (one call, all keys): the accumulator
+        if first and not masked:  # the local block (one call, all keys): the accumulator
             (_, dk, dv), pieces = pieces[0], []
             dkv_2BLGd = torch.stack((dk, dv)).to(acc)
             del dk, dv
-        elif first:  # with documents the local block's calls may leave keys out
+        elif first:  # with documents or a window the local block's calls may leave keys out
             dkv_2BLGd = torch.zeros((2, *k_BLGd.shape), dtype=acc, device=k_BLGd.device)
         else:  # the accumulator of this step's block, with the previous ranks' shares
             dkv_2BLGd = dkv_pending.wait()
@@ -186,24 +208,26 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, layout, docs, call):
+    def forward(ctx, q, k, v, group, causal, scale, backend, layout, docs, window, call):
         reused = None if call is None else call.reused()
         if reused is not None:  # a checkpoint's recomputation: the forward's out and lse
             out, lse = reused
         else:
-            out, lse = _forward(q, k, v, group, causal, scale, backend, layout, docs)
+            args = (group, causal, scale, backend, layout)
+            out, lse = _forward(q, k, v, *args, docs=docs, window=window)
             if call is not None:
                 call.keep([out, lse])
         del call, reused
         save_for_backward(ctx, keep=(q, k, v, out), free=(lse,))
-        ctx.args, ctx.docs = (group, causal, scale, backend, layout), docs
+        ctx.args, ctx.masks = (group, causal, scale, backend, layout), (docs, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         keep, free = saved_for_backward(ctx)
-        grads = _backward(dout.contiguous(), *keep, *free, *ctx.args, docs=ctx.docs)
-        return (*grads, None, None, None, None, None, None, None)
+        docs, window = ctx.masks
+        grads = _backward(dout.contiguous(), *keep, *free, *ctx.args, docs=docs, window=window)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
@@ -218,6 +242,7 @@ def ring_attention(
     backend=None,
     layout="zigzag",
     cu_seqlens=None,
+    window=None,
 ):
     """Attention over a sequence sharded across `group` in `layout`, by ring exchange of K/V.
 
@@ -230,6 +255,8 @@ def ring_attention(
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
     tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
     a token attends only to tokens of its own document (documents.py); None: one document.
+    `window`: a causal sliding window (token i sees keys i-window+1 .. i, `upipe.attention.
+    window`); steps whose keys lie wholly outside it make no kernel call.
     """
     docs = DocumentsArg(cu_seqlens)
     validate_qkv(
@@ -244,6 +271,7 @@ def ring_attention(
         split_heads=False,  # heads stay whole on every rank
         extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
         extra_signature={"layout": layout, **docs.signature()},
+        window=window,
     )
-    args = (group, causal, softmax_scale, backend, layout, docs.bounds)
+    args = (group, causal, softmax_scale, backend, layout, docs.bounds, window)
     return _RingAttention.apply(q, k, v, *args, kept.claim("ring", q, k, v))

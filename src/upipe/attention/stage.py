@@ -9,9 +9,10 @@ q_BPud, k_BPkd, v_BPkd:
     backward(dout, q, k, v, out, lse) -> (dq, dk, dv)         (from the saved out and lse)
 Without a ring group it is the local kernel (`upipe.kernels`); with one, ring attention
 over it (ring.py's `_forward`/`_backward`, the P tokens in `layout` across the ring).
-With document boundaries `docs` (global, validated: `upipe.packing.check_cu_seqlens`) the
-local kernel runs once per document (`documents.local_forward`; the P tokens are the whole
-sequence in order) and the ring per block as `documents.block_calls` says.
+With document boundaries `docs` (global, validated: `upipe.packing.check_cu_seqlens`) or a
+sliding `window` (`upipe.attention.window`) the local kernel runs once per document, in
+the window's calls (`documents.local_forward`; the P tokens are the whole sequence in
+order) and the ring per block as `documents.block_calls` says.
 """
 
 from __future__ import annotations
@@ -40,24 +41,34 @@ class StageAttention:
     """how the P tokens of the ring ranks interleave (`upipe.comm.LAYOUTS`)"""
     docs: tuple[int, ...] | None = None
     """document boundaries in the full sequence (None: one document)"""
+    window: int | None = None
+    """causal sliding window (`upipe.attention.window`; None: none)"""
+
+    def _masked(self) -> bool:
+        return self.docs is not None or self.window is not None
+
+    def _bounds(self, P):
+        return self.docs if self.docs is not None else (0, P)
 
     def forward(self, q, k, v):
         if self.ring_group is None:
             kw = dict(causal=self.causal, softmax_scale=self.scale, backend=self.backend)
-            if self.docs is not None:
-                return documents.local_forward(q, k, v, self.docs, **kw)
+            if self._masked():
+                bounds = self._bounds(q.shape[1])
+                return documents.local_forward(q, k, v, bounds, window=self.window, **kw)
             return attention_forward(q, k, v, **kw)
         args = (self.ring_group, self.causal, self.scale, self.backend, self.layout)
-        return ring._forward(q, k, v, *args, docs=self.docs)
+        return ring._forward(q, k, v, *args, docs=self.docs, window=self.window)
 
     def backward(self, dout, q, k, v, out, lse):
         if self.ring_group is None:
             kw = dict(causal=self.causal, softmax_scale=self.scale, backend=self.backend)
-            if self.docs is not None:
-                return documents.local_backward(dout, q, k, v, out, lse, self.docs, **kw)
+            if self._masked():
+                bounds, w = self._bounds(q.shape[1]), self.window
+                return documents.local_backward(dout, q, k, v, out, lse, bounds, window=w, **kw)
             return attention_backward(dout, q, k, v, out, lse, **kw)
         args = (self.ring_group, self.causal, self.scale, self.backend, self.layout)
-        return ring._backward(dout, q, k, v, out, lse, *args, docs=self.docs)
+        return ring._backward(dout, q, k, v, out, lse, *args, docs=self.docs, window=self.window)
 
 
 @dataclasses.dataclass(frozen=True)

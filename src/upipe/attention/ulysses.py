@@ -144,6 +144,7 @@ def ulysses_attention(
     backend=None,
     layout="contiguous",
     cu_seqlens=None,
+    window=None,
 ):
     """Attention over a sequence sharded across `group`.
 
@@ -159,6 +160,8 @@ def ulysses_attention(
     tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
     a token attends only to tokens of its own document (`upipe.attention.documents`); None:
     one document (plain attention, unchanged).
+    `window`: a causal sliding window (token i sees keys i-window+1 .. i; None: none), with
+    work proportional to it (`upipe.attention.window`).
     """
     docs = DocumentsArg(cu_seqlens)
     validate_qkv(
@@ -173,8 +176,9 @@ def ulysses_attention(
         uneven=True,
         extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
         extra_signature={"layout": layout, **docs.signature()},
+        window=window,
     )
     ex = HeadExchange(group, layout)
-    attn = StageAttention(causal, softmax_scale, backend, docs=docs.bounds)
+    attn = StageAttention(causal, softmax_scale, backend, docs=docs.bounds, window=window)
     split, attn = split_attention(q.shape[2], k.shape[2], group, attn)
     return UlyssesFunction.apply(q, k, v, ex, attn, split, kept.claim("ulysses", q, k, v))

@@ -176,6 +176,7 @@ def upipe_attention(
     backend=None,
     layout=None,
     cu_seqlens=None,
+    window=None,
 ):
     """Ulysses attention in stages of `heads_per_stage` heads; same contract and result.
 
@@ -196,6 +197,8 @@ def upipe_attention(
     tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
     a token attends only to tokens of its own document (`upipe.attention.documents`); None:
     one document (plain attention, unchanged).
+    `window`: a causal sliding window (token i sees keys i-window+1 .. i; None: none), with
+    work proportional to it (`upipe.attention.window`).
     """
     ulysses, ring_group, R, agree = resolve_groups(group, mesh)
     docs = DocumentsArg(cu_seqlens)
@@ -221,6 +224,7 @@ def upipe_attention(
         extra=extra,
         extra_signature={"heads_per_stage": heads_per_stage, "layout": layout, **docs.signature()},
         agree=agree,
+        window=window,
     )
     H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(ulysses)
     U = check_heads_per_stage(H, G, C, heads_per_stage)
@@ -228,8 +232,10 @@ def upipe_attention(
     kernel = (causal, softmax_scale, backend)
     if mesh is None:  # the layout is the all-to-all's
         ex = HeadExchange(ulysses, layout or "contiguous")
-        attn = StageAttention(*kernel, docs=docs.bounds)
+        attn = StageAttention(*kernel, docs=docs.bounds, window=window)
     else:  # the layout is the ring's; each ulysses group splits its part contiguously
         ex = HeadExchange(ulysses)
-        attn = StageAttention(*kernel, ring_group, layout or "zigzag", docs=docs.bounds)
+        attn = StageAttention(
+            *kernel, ring_group, layout or "zigzag", docs=docs.bounds, window=window
+        )
     return _UPipeAttention.apply(q, k, v, rounds, ex, attn, kept.claim("upipe", q, k, v))

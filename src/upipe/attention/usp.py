@@ -47,6 +47,7 @@ def usp_attention(
     backend=None,
     layout="zigzag",
     cu_seqlens=None,
+    window=None,
 ):
     """Attention over a sequence sharded across a 2-D mesh: Ulysses x ring.
 
@@ -62,6 +63,8 @@ def usp_attention(
     tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
     a token attends only to tokens of its own document (`upipe.attention.documents`); None:
     one document (plain attention, unchanged).
+    `window`: a causal sliding window (token i sees keys i-window+1 .. i; None: none), with
+    work proportional to it (`upipe.attention.window`).
     """
     check_mesh(mesh)
     ulysses, ring_group, R, agree = resolve_groups(None, mesh)
@@ -84,8 +87,10 @@ def usp_attention(
         extra=extra,
         extra_signature={"layout": layout, **docs.signature()},
         agree=agree,
+        window=window,
     )
-    attn = StageAttention(causal, softmax_scale, backend, ring_group, layout, docs=docs.bounds)
+    kernel = (causal, softmax_scale, backend, ring_group, layout)
+    attn = StageAttention(*kernel, docs=docs.bounds, window=window)
     split, attn = split_attention(q.shape[2], k.shape[2], ulysses, attn)
     call = kept.claim("usp", q, k, v)
     return UlyssesFunction.apply(q, k, v, HeadExchange(ulysses), attn, split, call)

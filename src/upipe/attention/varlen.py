@@ -54,11 +54,16 @@ from upipe.kernels_cuda import unpad as _unpad
 from upipe.torch_private import aten_op
 
 VARLEN = ("flash", "fa3", "fa4")  # resolved kernels (fp16/bf16 only) with a varlen call
+# ... and those whose window this code passes (torch 2.13's FA3 / FA4 registrations pass
+# window sizes on too, but their contracts with windows are not emulated in the tests yet:
+# under fa3 / fa4 a sliding window runs in tiles, `upipe.attention.window`)
+WINDOWED = ("flash",)
 
 
-def use_varlen(kernel: str) -> bool:
-    """Whether a resolved kernel (`upipe.kernels.prepare_kernel`) has the varlen call."""
-    return kernel in VARLEN
+def use_varlen(kernel: str, window=None) -> bool:
+    """Whether a resolved kernel (`upipe.kernels.prepare_kernel`) has the varlen call (with
+    a sliding `window`: the varlen call with its native window)."""
+    return kernel in VARLEN and (window is None or kernel in WINDOWED)
 
 
 def _cum_seq(bounds, B, P, device):
@@ -74,19 +79,39 @@ def _packed(t_BPnd):
     return t_BPnd.reshape(-1, *t_BPnd.shape[2:])
 
 
-def forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale):
-    """(out_BPud, lse_BuP) of document-masked attention: one varlen kernel call."""
+def _window(window) -> dict:
+    """The op's window arguments for a causal sliding window of `window` tokens (None:
+    unlimited): token i sees keys i-window+1 .. i = window_size_left window-1, right 0."""
+    if window is None:
+        return {}
+    return {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def forward(q_BPud, k_BPkd, v_BPkd, bounds, *, causal, softmax_scale, window=None):
+    """(out_BPud, lse_BuP) of document-masked attention: one varlen kernel call (`window`:
+    a causal sliding window inside each document, `upipe.attention.window`)."""
     B, P, u, d = q_BPud.shape
     cu, longest = _cum_seq(bounds, B, P, q_BPud.device)
     qp, kp, vp = (_packed(t) for t in _pad8(q_BPud, k_BPkd, v_BPkd))
     out_Tud, lse_uT, *_ = aten_op("_flash_attention_forward")(
-        qp, kp, vp, cu, cu, longest, longest, 0.0, causal, False, scale=_scale(softmax_scale, d)
+        qp,
+        kp,
+        vp,
+        cu,
+        cu,
+        longest,
+        longest,
+        0.0,
+        causal,
+        False,
+        scale=_scale(softmax_scale, d),
+        **_window(window),
     )
     (out_BPud,) = _unpad(d, out_Tud.view(B, P, u, -1))
     return out_BPud, lse_uT.view(u, B, P).transpose(0, 1)
 
 
-def backward(dout, q, k, v, out, lse_BuP, bounds, *, causal, softmax_scale):
+def backward(dout, q, k, v, out, lse_BuP, bounds, *, causal, softmax_scale, window=None):
     """(dq, dk, dv) of `forward` from its saved out and lse: one varlen kernel call."""
     B, P, u, d = q.shape
     cu, longest = _cum_seq(bounds, B, P, q.device)
@@ -110,6 +135,7 @@ def backward(dout, q, k, v, out, lse_BuP, bounds, *, causal, softmax_scale):
         rng_state,
         unused,
         scale=_scale(softmax_scale, d),
+        **_window(window),
     )
     shapes = ((B, P, u, -1), (B, P, k.shape[2], -1), (B, P, v.shape[2], -1))
     return _unpad(d, *(g.view(s) for g, s in zip((dq, dk, dv), shapes, strict=True)))
