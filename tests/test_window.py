@@ -232,3 +232,66 @@ def _bad_module(rank, world_size):
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+# --- the model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("w,cu", [(1, None), (5, None), (7, [0, 3, 20, S]), (40, None)])
+def test_model_attention_matches_reference(w, cu):
+    """The one-process model's sliding-window attention (SDPA per tile, `model.llama`), y
+    and dx, against the fp64 masked reference; the reference of every strategy's parity."""
+    from document_workers import doc_mask, masked_attention
+
+    from upipe.model.config import get_config
+    from upipe.model.llama import Attention
+    from upipe.rope import apply_rope, rope_cos_sin
+
+    torch.manual_seed(0)
+    cfg = get_config("tiny", hidden_size=32, n_heads=4, n_kv_heads=2, head_dim=8)
+    attn = Attention(cfg, window=w).double()
+    x = torch.randn(2, S, 32, dtype=torch.float64, requires_grad=True)
+    pos = torch.arange(S)[None].expand(2, S)
+    y = attn(x, pos, cu_seqlens=cu)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    cos, sin = rope_cos_sin(pos, 8, theta=cfg.rope_theta, dtype=torch.float64)
+    xr = x.detach().requires_grad_()
+    q = apply_rope(attn.q_proj(xr).view(2, S, 4, 8), cos, sin)
+    k = apply_rope(attn.k_proj(xr).view(2, S, 2, 8), cos, sin)
+    v = attn.v_proj(xr).view(2, S, 2, 8)
+    yr = attn.o_proj(masked_attention(q, k, v, doc_mask(cu or [0, S], S, True, w)).flatten(2))
+    (dxr,) = torch.autograd.grad(yr, xr, dy)
+    assert rel_err(y, yr) < 1e-12 and rel_err(dx, dxr) < 1e-12
+
+
+def test_layer_types_choose_each_layers_window():
+    from upipe.model.config import ModelConfig, get_config
+
+    cfg = get_config("tiny-sliding")
+    assert [cfg.layer_window(i) for i in range(4)] == [64, None, 64, None]
+    assert ModelConfig(sliding_window=8).layer_window(1) == 8  # no layer_types: all slide
+    with pytest.raises(ValueError, match="must list 2 entries"):
+        ModelConfig(sliding_window=8, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="set sliding_window"):
+        ModelConfig(layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ValueError, match="positive int"):
+        ModelConfig(sliding_window=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,kw",
+    [(2, {"strategy": "upipe"}), (4, {"strategy": "ring"}), (4, {"strategy": "usp"}),
+     (2, {"strategy": "ulysses", "activation_checkpoint": True, "tiled_mlp": True})],
+)  # fmt: skip
+def test_training_a_mixed_stack_equals_one_process(clusters, world, kw):
+    """tiny-sliding (window 64 on layers 0 and 2, full attention on 1 and 3) over 128
+    tokens: losses and every gradient as in one process."""
+    from test_train import _check as check_training
+    from train_workers import small_config, train_steps
+
+    ref = clusters(1).run(train_steps, small_config(model="tiny-sliding", strategy="none"))[0]
+    check_training(
+        clusters(world).run(train_steps, small_config(model="tiny-sliding", **kw))[0], ref
+    )

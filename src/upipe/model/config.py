@@ -29,6 +29,12 @@ class ModelConfig:
     """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
     tie_embeddings: bool = False
     """lm_head shares the input embedding's weight."""
+    sliding_window: int | None = None
+    """Causal sliding window of the sliding-attention layers (token i sees keys
+    i-sliding_window+1 .. i, as transformers' `sliding_window`); None: none."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer "sliding_attention" or "full_attention" (transformers' `layer_types`); None
+    with a `sliding_window`: every layer slides (Mistral)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -38,6 +44,24 @@ class ModelConfig:
             raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings), got {self.head_dim}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {w!r}")
+        if self.layer_types is not None:
+            kinds = ("sliding_attention", "full_attention")
+            if len(self.layer_types) != self.n_layers or set(self.layer_types) - set(kinds):
+                raise ValueError(
+                    f"layer_types must list {self.n_layers} entries (n_layers), each one of "
+                    f"{kinds}; got {self.layer_types!r}"
+                )
+            if w is None and "sliding_attention" in self.layer_types:
+                raise ValueError("layer_types has sliding_attention layers: set sliding_window")
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: full attention)."""
+        if self.layer_types is not None and self.layer_types[i] == "full_attention":
+            return None
+        return self.sliding_window
 
     def num_params(self) -> int:
         """Parameter count: embeddings, per block 4 projections + 3 MLP matrices + norms."""
@@ -52,6 +76,11 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     # the same with Qwen3's QK-norm and tied embeddings (2 kv heads: replicated on 4 ranks)
     "tiny-qwen3": ModelConfig(n_kv_heads=2, qk_norm=True, tie_embeddings=True),
+    # sliding-window layers of 64 tokens alternating with full ones (as gpt-oss, Gemma 3)
+    "tiny-sliding": ModelConfig(
+        n_layers=4, sliding_window=64,
+        layer_types=("sliding_attention", "full_attention") * 2,
+    ),
     # the shapes of the published checkpoints (Hugging Face config.json)
     "llama3-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,

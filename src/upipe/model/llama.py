@@ -33,12 +33,18 @@ from upipe.rope import apply_rope, rope_cos_sin
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention over the whole sequence in this process (no parallelism)."""
+    """Causal GQA self-attention over the whole sequence in this process (no parallelism).
 
-    def __init__(self, cfg: ModelConfig):
+    `window` (the layer's sliding window, `ModelConfig.layer_window`): query tiles of
+    `window` rows, each one SDPA call over its keys i-window+1 .. i with a [tile, tile +
+    window - 1] boolean mask -- O(L * window) work and a mask the size of one tile, not L^2
+    (the context-parallel strategies tile without masks: `upipe.attention.window`)."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
         D, H, G, d = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
+        self.window = window
         self.rope_theta = cfg.rope_theta
         self.q_proj = nn.Linear(D, H * d, bias=False)
         self.k_proj = nn.Linear(D, G * d, bias=False)
@@ -65,14 +71,39 @@ class Attention(nn.Module):
         v_BLGd = self.v_proj(x_BLD).view(B, L, -1, d)
         q_BHLd, k_BGLd, v_BGLd = (t.transpose(1, 2) for t in (q_BLHd, k_BLGd, v_BLGd))
         bounds = (0, L) if cu_seqlens is None else check_cu_seqlens(cu_seqlens, L)
-        parts = [  # one causal call per document: its rows and keys only
-            F.scaled_dot_product_attention(
-                *(t[:, :, a:b] for t in (q_BHLd, k_BGLd, v_BGLd)), is_causal=True, enable_gqa=True
-            )
+        parts = [  # one causal call per document (or its window tiles): its rows and keys only
+            part
             for a, b in itertools.pairwise(bounds)
+            for part in self._document(*(t[:, :, a:b] for t in (q_BHLd, k_BGLd, v_BGLd)))
         ]
         out_BHLd = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.o_proj(out_BHLd.transpose(1, 2).flatten(2))
+
+    def _document(self, q_BHTd, k_BGTd, v_BGTd) -> list[torch.Tensor]:
+        """One document's outputs, in row order: one causal call, or the window's tiles
+        (class doc): rows a .. a+w-1 over keys a-w+1 .. a+w-1, key j visible to row i iff
+        0 <= i - j < w."""
+        T, w = q_BHTd.shape[2], self.window
+        if w is None or w >= T:
+            return [
+                F.scaled_dot_product_attention(
+                    q_BHTd, k_BGTd, v_BGTd, is_causal=True, enable_gqa=True
+                )
+            ]
+        i = torch.arange(w, device=q_BHTd.device)[:, None]  # row offset in the tile
+        j = torch.arange(2 * w - 1, device=q_BHTd.device)[None]  # key offset from a - w + 1
+        band_tk = (j <= i + w - 1) & (j >= i)  # (a + i) - (a - w + 1 + j) in [0, w)
+        parts = []
+        for a in range(0, T, w):
+            lo, rows = max(0, a - w + 1), min(w, T - a)
+            mask = band_tk[:rows, lo - (a - w + 1) : w - 1 + rows]
+            kv = (t[:, :, lo : a + rows] for t in (k_BGTd, v_BGTd))
+            parts.append(
+                F.scaled_dot_product_attention(
+                    q_BHTd[:, :, a : a + rows], *kv, attn_mask=mask, enable_gqa=True
+                )
+            )
+        return parts
 
 
 class MLP(nn.Module):
@@ -100,10 +131,10 @@ class Block(nn.Module):
     holds one [B, L, D] gradient where plain autograd holds two (dy, kept by the engine
     until the block's node returns, and the sum)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -127,7 +158,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.layer_window(i)) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
 

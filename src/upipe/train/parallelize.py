@@ -90,6 +90,7 @@ def parallelize(
             qk_norm=old.q_norm is not None,
             norm_eps=old.norm_eps,
             backend=backend,
+            window=old.window,
             device="meta",
         )
         for name, child in old.named_children():
