@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -305,3 +306,59 @@ def test_a_stopped_run_says_so_and_leaks_nothing(tmp_path, sig, code, by):
     said = f"upipe train: stopped by {by}: the ranks were stopped; --resume continues from ck"
     assert said in err, err[-2000:]
     assert "Traceback" not in err and "leaked" not in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_a_dead_node_is_one_line_naming_it(tmp_path):
+    """Two torchrun "nodes" on this machine (static rendezvous, one rank each); node 1's
+    torchrun is killed after the first step: node 0 ends with one line naming node 1 and
+    rank 1, its traceback in upipe-train-rank0.log, no gloo traceback on screen."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def node(n):
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+             str(n), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+             str(port), "-m", "upipe.train", "--steps", "2000", "--seq-len", "128", "--plot",
+             "", "--data", CORPUS, "--timeout", "120"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            start_new_session=True,
+        )  # fmt: skip
+
+    nodes = [node(0), node(1)]
+    try:
+        deadline, seen = time.monotonic() + 240, ""
+        while "loss=" not in seen and time.monotonic() < deadline:  # a step is done
+            seen += nodes[0].stderr.read(1)
+        assert "loss=" in seen, seen[-2000:]
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1: its torchrun and its rank
+        _, err = nodes[0].communicate(timeout=180)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    line = next(ln for ln in err.splitlines() if "lost its peers" in ln)
+    assert "rank 0 (node 0," in line and "node 1 (" in line and "rank 1)" in line, line
+    assert nodes[0].returncode != 0
+    assert "Connection" not in err and "pair.cc" not in err, err[-3000:]  # no gloo traceback
+    log = (tmp_path / "upipe-train-rank0.log").read_text()
+    assert "Traceback" in log and "RuntimeError" in log
+
+
+def test_the_lost_peer_is_named_by_its_address():
+    from upipe.train.peers import Placement, describe, is_peer_loss
+
+    ps = [Placement(r, r // 2, f"h{r // 2}", f"10.0.0.{r // 2}") for r in range(6)]
+    e = RuntimeError("pair.cc:537] Read error [10.0.0.2]:4711: Connection reset by peer")
+    assert is_peer_loss(e) and not is_peer_loss(RuntimeError("CUDA out of memory"))
+    assert describe(e, ps, ps[0]) == "node 2 (h2, 10.0.0.2: ranks 4-5)"
+    unknown = RuntimeError("NCCL error: remote process exited or there was a network error")
+    assert describe(unknown, ps, ps[0]) == (
+        "node 1 (h1, 10.0.0.1: ranks 2-3) or node 2 (h2, 10.0.0.2: ranks 4-5)"
+    )

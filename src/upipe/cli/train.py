@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from upipe.cli.options import add_dataclass_options, config_from_args
 from upipe.launch import DistributedError, LocalCluster, die_with_parent
 from upipe.plot import have_matplotlib
+from upipe.train import peers
 from upipe.train.checkpointing import CheckpointError
 from upipe.train.config import TrainConfig, model_config, padded_length, validate
 from upipe.train.data import check_corpus
@@ -318,11 +319,23 @@ def _run_torchrun(cfg: TrainConfig):
     else:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
+    placements = peers.gather_placements()
     if dist.get_rank() == 0:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         print(banner(cfg, dist.get_world_size(), per_node), flush=True)
     try:
         history = train(cfg, device)
+    except RuntimeError as e:
+        if not peers.is_peer_loss(e):
+            raise
+        # one line, the traceback in a file (`upipe.train.peers`); then os._exit: the
+        # process group cannot be torn down with a peer gone, and `record` writes no error
+        # file, so torchrun's summary shows the exit code, not the traceback once more
+        me = placements[dist.get_rank()]
+        print(peers.report(e, placements, me, cfg.checkpoint_dir or "."), file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return history if int(os.environ["RANK"]) == 0 else None
