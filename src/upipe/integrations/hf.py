@@ -42,7 +42,11 @@ import torch.nn.functional as F
 
 from upipe.attention.common import agree_across_ranks, resolve_groups
 from upipe.attention.module import ContextParallelAttention
+from upipe.attention.registry import get_strategy
+from upipe.attention.upipe import upipe_attention
+from upipe.attention.usp import usp_attention
 from upipe.comm import shard_sequence
+from upipe.integrations.hf_archs import ARCHITECTURES, Arch, FusedRows, architecture, rope_types
 from upipe.integrations.hf_memory import (
     MemoryOptions,
     apply_memory_features,
@@ -55,14 +59,10 @@ from upipe.integrations.hf_memory import (
 from upipe.loss import IGNORE_INDEX, shift_labels
 from upipe.mesh import mesh_coordinates
 from upipe.packing import check_cu_seqlens, document_positions
+from upipe.rope import apply_rope
 from upipe.torch_private import flatten_mesh
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope types whose cos/sin depend only on the position (not on the local sequence length)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the attention implementation a converted model is set to (see the module docstring)
@@ -74,13 +74,19 @@ class HFContextParallelAttention(ContextParallelAttention):
 
     Takes over `hf_attn`'s projection (and QK-norm) modules themselves and is called the way
     the decoder layers call their `self_attn`: `forward(hidden_states, position_embeddings,
-    ...)` with hidden_states `[B, L, D]` (this rank's tokens) and cos/sin `[B or 1, L, d]` for
-    their global positions; returns `(out [B, L, D], None)`. Inputs are validated once per
-    model call by the hook that `apply_context_parallel` puts on the decoder stack.
+    ...)` with hidden_states `[B, L, D]` (this rank's tokens) and cos/sin `[B or 1, L, r]`
+    for their global positions (r = d, or fewer: partial rotary); returns `(out [B, L, D],
+    None)`. Inputs are validated once per model call by the hook that `apply_context_parallel`
+    puts on the decoder stack. `arch` (`hf_archs.Arch`): where the q/k/v rows are (a fused
+    `qkv_proj`: Phi-3) and which QK-norm (per head inside the fused stages; over the whole
+    projection: OLMo, run unfused, see `hf_archs`).
     """
 
-    def __init__(self, hf_attn, config, *, group, mesh, strategy, heads_per_stage, backend, state):
-        q_norm = getattr(hf_attn, "q_norm", None)
+    def __init__(
+        self, hf_attn, config, arch: Arch, *, group, mesh, strategy, heads_per_stage, backend,
+        state,
+    ):  # fmt: skip
+        q_norm = getattr(hf_attn, "q_norm", None) if arch.qk_norm == "head" else None
         super().__init__(
             config.hidden_size,
             config.num_attention_heads,
@@ -95,10 +101,17 @@ class HFContextParallelAttention(ContextParallelAttention):
             norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
             device="meta",  # placeholders, replaced by the model's own modules below
         )
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        self.arch = arch
+        names = ("q_proj", "k_proj", "v_proj", "o_proj") if arch.qkv == "split" else ("o_proj",)
+        for name in names:
             setattr(self, name, getattr(hf_attn, name))
-        if q_norm is not None:
-            self.q_norm, self.k_norm = q_norm, hf_attn.k_norm
+        if arch.qkv == "fused":  # q/k/v_proj: views of qkv_proj's rows, per call (forward)
+            del self.q_proj, self.k_proj, self.v_proj
+            self.qkv_proj = hf_attn.qkv_proj
+            H, G, d = config.num_attention_heads, config.num_key_value_heads, hf_attn.head_dim
+            self._qkv_sizes = (H * d, G * d, G * d)
+        if arch.qk_norm is not None:
+            self.q_norm, self.k_norm = hf_attn.q_norm, hf_attn.k_norm
         self.layer_idx = hf_attn.layer_idx
         self._state = state  # the model call's validated documents (set by the input hook)
 
@@ -108,21 +121,44 @@ class HFContextParallelAttention(ContextParallelAttention):
         # cu_seq_lens_q/k: validated by the input hook, which keeps them in the state
         B, L, _ = hidden_states.shape
         cos, sin = (t.expand(B, L, -1) for t in position_embeddings)
-        return self._attend(hidden_states, cos, sin, self._state["docs"]), None
+        if self.arch.qkv == "fused":
+            self.q_proj, self.k_proj, self.v_proj = FusedRows(self.qkv_proj, self._qkv_sizes).parts
+        try:
+            return self._attend(hidden_states, cos, sin, self._state["docs"]), None
+        finally:
+            if self.arch.qkv == "fused":
+                del self.q_proj, self.k_proj, self.v_proj
+
+    def _attend(self, x, cos, sin, docs=None):
+        if self.arch.qk_norm != "projection":
+            return super()._attend(x, cos, sin, docs)
+        # QK-norm over the whole projection (OLMo): q, k, v in full, then the strategy's op
+        B, L, _ = x.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x)).view(B, L, -1, d)
+        k = self.k_norm(self.k_proj(x)).view(B, L, -1, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = self.v_proj(x).view(B, L, -1, d)
+        kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, layout=self.layout)
+        where = dict(group=self.group) if self.mesh is None else dict(mesh=self.mesh)
+        if self.strategy == "upipe":
+            out = upipe_attention(q, k, v, heads_per_stage=self.heads_per_stage, **where, **kw)
+        elif self.mesh is None:
+            out = get_strategy(self.strategy).op(q, k, v, **where, **kw)
+        else:  # ulysses on a mesh: USP
+            out = usp_attention(q, k, v, **where, **kw)
+        return self.o_proj(out.flatten(2))
 
 
-def _check_model(model) -> None:
-    names = [c.__name__ for c in type(model).__mro__]
-    if not any(n in SUPPORTED_ARCHITECTURES for n in names):
-        raise ValueError(
-            f"{type(model).__name__} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+def _check_model(model) -> Arch:
+    """The model's `hf_archs.Arch`; ValueError for what cannot be converted."""
+    arch = architecture(model)
     cfg, base = model.config, model.model
     if any(isinstance(layer.self_attn, HFContextParallelAttention) for layer in base.layers):
         raise ValueError("apply_context_parallel was already applied to this model")
-    rope_type = base.rotary_emb.rope_type
-    if rope_type not in STATIC_ROPE_TYPES:
+    for rope_type in rope_types(base.rotary_emb):
+        if rope_type in STATIC_ROPE_TYPES:
+            continue
         raise ValueError(
             f"rope type {rope_type!r} is not supported: its cos/sin depend on the local sequence "
             f"length, which differs from the full one under context parallelism; supported: "
@@ -138,6 +174,7 @@ def _check_model(model) -> None:
         raise ValueError(
             f"attention scaling {base.layers[0].self_attn.scaling} differs from head_dim ** -0.5"
         )
+    return arch
 
 
 def _sequence_group(group, mesh):
@@ -349,7 +386,7 @@ def apply_context_parallel(
     without shift_labels=, generation, combinations of the memory features that do not
     go together).
     """
-    _check_model(model)
+    arch = _check_model(model)
     options = MemoryOptions(
         tiled_mlp=tiled_mlp,
         mlp_tile=mlp_tile,
@@ -378,6 +415,7 @@ def apply_context_parallel(
         layer.self_attn = HFContextParallelAttention(
             layer.self_attn,
             cfg,
+            arch,
             group=group,
             mesh=mesh,
             strategy=strategy,
