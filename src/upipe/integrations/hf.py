@@ -46,6 +46,7 @@ from upipe.attention.registry import get_strategy
 from upipe.attention.upipe import upipe_attention
 from upipe.attention.usp import usp_attention
 from upipe.comm import shard_sequence
+from upipe.integrations import hf_moe
 from upipe.integrations.hf_archs import ARCHITECTURES, Arch, FusedRows, architecture, rope_types
 from upipe.integrations.hf_memory import (
     MemoryOptions,
@@ -230,6 +231,7 @@ def _model_call(kwargs) -> dict:
         "shift_labels": None if shifted is None else tuple(shifted.shape),
         "logits_to_keep": kwargs.get("logits_to_keep", 0),
         "return_dict": kwargs.get("return_dict"),
+        "router_logits": kwargs.get("output_router_logits"),
     }
 
 
@@ -249,6 +251,7 @@ def _input_hook(state):
         # before calling the decoder stack
         call, state["call"] = state["call"], _model_call({})
         labels_given, shifted = call["labels"], call["shift_labels"]
+        router = state["router"] is not None and state["router"].wanted(call["router_logits"])
         block, n_blocks = _block_index(state["group"], state["mesh"])
         state["docs"] = None
 
@@ -304,16 +307,18 @@ def _input_hook(state):
             )
             if problem is None and labels_given and state["memory"].options.chunked_loss:
                 problem = chunked_call_problem(call["logits_to_keep"], call["return_dict"])
+            problem = problem or hf_moe.problem(state["model"], router)
             if problem:
                 raise ValueError(problem)
 
         def signature():
             B, L = x.shape[:2]
+            sig = {"local batch x tokens": (B, L), "router aux loss": router}
             if state["docs"] is not None:  # positions checked against the documents
-                return {"local batch x tokens": (B, L), "documents": True}
+                return {**sig, "documents": True}
             # a sequence continues across the ranks: rank block r starts at offset + r * L
             offsets = tuple((pos[:, 0] - block * L).tolist())  # (once per model call)
-            return {"local batch x tokens": (B, L), "position offset": offsets}
+            return {**sig, "position offset": offsets}
 
         group, cohort = state["agree"] or (state["ulysses"], None)
         agree_across_ranks(group, local, signature, cohort)
@@ -433,6 +438,8 @@ def apply_context_parallel(
     sequence_group = _sequence_group(group, mesh)
     model.loss_function = functools.partial(_model_loss, group=sequence_group)
     state["memory"] = install(model, options, sequence_group)
+    state["model"] = model
+    state["router"] = hf_moe.install(model, sequence_group)  # MoE: the whole sequence's aux
     base.register_forward_pre_hook(_input_hook(state), with_kwargs=True)
     return model
 
