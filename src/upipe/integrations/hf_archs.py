@@ -62,6 +62,16 @@ ARCHITECTURES: dict[str, Arch] = {
 }
 """The supported architectures (by class name: transformers is not imported)."""
 
+PLANNED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+"""Those `upipe plan --hf-config` simulates: its time model and shapes (`hf_shapes`) count a
+dense MLP and fused attention projections -- not the experts of an MoE model, OLMo's unfused
+attention or Phi-3's fused rows."""
+
 
 def _sliding_layers(cfg) -> str:
     types = list(getattr(cfg, "layer_types", None) or [])
