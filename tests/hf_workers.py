@@ -39,6 +39,37 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),  # QK-norm
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),  # sliding_window 4096 > sequence
+    # MoE: 4 experts, top 2; Qwen3-MoE with a dense MLP in layer 1 (mlp_only_layers)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+        ),
+    ),  # fmt: skip
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    # QK-norm over the whole projection, norms after attention and MLP
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(eos_token_id=None)),
+    # a sliding layer whose window (4096) holds the sequence, and a RoPE per layer type
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(eos_token_id=None, layer_types=["sliding_attention", "full_attention"]),
+    ),
+    # fused qkv_proj and gate_up_proj; partial rotary (half of each head rotates)
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=None,
+            eos_token_id=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
+        ),
+    ),
 }
 SEQ = 64
 BATCH = 2

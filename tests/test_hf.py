@@ -62,7 +62,15 @@ def test_mesh_2x2_matches_unmodified_model(clusters, arch):
 
 
 @pytest.mark.parametrize(
-    ("arch", "strategy", "world"), [("llama", "upipe", 4), ("qwen3", "ulysses", 2)]
+    ("arch", "strategy", "world"),
+    [
+        ("llama", "upipe", 4),
+        ("qwen3", "ulysses", 2),
+        ("olmo2", "upipe", 4),
+        ("phi3", "upipe", 2),
+        ("qwen3_moe", "ulysses", 2),
+        ("mixtral", "upipe", 4),
+    ],
 )
 def test_packed_documents_match_each_document_alone(clusters, arch, strategy, world):
     """Packed rows (position ids restarting per document, boundaries from shard_batch) equal

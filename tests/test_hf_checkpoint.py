@@ -3,6 +3,7 @@ against `transformers` itself (small random models built from configs; nothing d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -36,6 +37,15 @@ CONFIGS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
 }
+
+
+# Llama 3.1's rope scaling, pre-training context shortened to 32 so that the 24 tokens of
+# `inputs` span kept, interpolated and divided frequencies (head_dim 16, theta 5e5)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)  # fmt: skip
+CONFIGS["llama3.1"] = lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE)
 
 
 def hf_model(arch, dtype=torch.float32):
@@ -196,8 +206,12 @@ def test_published_configs_give_the_presets(hf, preset):
     "change, message",
     [
         (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+            "rope type 'yarn' is not supported",
+        ),
+        (
             {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-            "rope type 'llama3' is not supported",
+            "rope type 'llama3' needs low_freq_factor, high_freq_factor, original_max_position",
         ),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'"),
         ({"attention_bias": True}, "attention_bias=True"),
@@ -280,3 +294,47 @@ def test_fsdp_sharded_model_loads_and_saves(arch, tmp_path, clusters):
         tmp_path / "out", attn_implementation="eager"
     )
     assert all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+def test_llama3_rope_tables_equal_transformers():
+    """upipe.rope's llama3 frequencies and cos/sin tables: bit for bit transformers' (its
+    `_compute_llama3_parameters` through LlamaRotaryEmbedding), at short and long positions."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from upipe.rope import inv_frequencies, rope_cos_sin
+
+    config = CONFIGS["llama3.1"]()
+    scaling = config_from_hf(config.to_dict()).rope_scaling
+    assert scaling is not None and scaling.original_max_position_embeddings == 32
+    rotary = LlamaRotaryEmbedding(config)
+    ours = inv_frequencies(16, theta=5e5, scaling=scaling)
+    assert torch.equal(ours, rotary.inv_freq)
+    assert not torch.equal(ours, inv_frequencies(16, theta=5e5))  # the scaling matters here
+    positions_BL = torch.tensor([[0, 1, 7, 31, 32, 1000, 131071, 1048575]])
+    x = torch.zeros(1, positions_BL.shape[1], 64)
+    cos_hf, sin_hf = rotary(x, positions_BL)
+    cos, sin = rope_cos_sin(positions_BL, 16, theta=5e5, scaling=scaling)
+    assert torch.equal(cos, cos_hf) and torch.equal(sin, sin_hf)
+
+
+def test_llama31_checkpoint_equals_transformers(tmp_path):
+    """A Llama 3.1-style checkpoint (llama3 rope scaling) loads into CausalLM with the same
+    logits as transformers, and saves back with its rope parameters."""
+    ref = hf_model("llama3.1")
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf_checkpoint(tmp_path / "hf")
+    assert model.config.rope_scaling.factor == 8.0
+    err = rel_err(upipe_logits(model), hf_logits(ref))
+    assert err < TOL[torch.float32]["fwd"], err
+    # without the scaling the logits differ: the test can tell
+    plain = CausalLM(dataclasses.replace(model.config, rope_scaling=None))
+    plain.load_state_dict(model.state_dict())
+    assert rel_err(upipe_logits(plain), hf_logits(ref)) > 1e-3
+    save_hf_checkpoint(model, tmp_path / "out", base_config=tmp_path / "hf")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 5e5}
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    )
+    assert torch.equal(hf_logits(back.eval()), hf_logits(ref))
+    assert load_hf_checkpoint(tmp_path / "out").config == model.config

@@ -45,6 +45,12 @@ CASES = [  # (arch, world, options, run): each feature alone, then together
     ("qwen3", 2, dict(ALL, blocks_per_checkpoint=2, offload=True), {"offload": True}),
     ("llama", 2, dict(ALL, offload=True, keep_on_gpu=1), {"offload": True}),
     ("qwen2", 4, ALL, {"num_items": True}),
+    # MoE blocks in tiles (routing per token), OLMo's post-norm layers, Phi-3's fused qkv
+    ("mixtral", 2, ALL, {}),
+    ("qwen3_moe", 4, dict(ALL, blocks_per_checkpoint=2), {}),
+    ("olmo2", 2, ALL, {}),
+    ("olmo3", 4, dict(tiled_mlp=True, mlp_tile=8, activation_checkpoint=True), {}),
+    ("phi3", 4, ALL, {}),
 ]
 
 

@@ -97,10 +97,11 @@ def test_document_mask_is_applied(clusters, corpus, tokenizer_dir):
     assert abs(masked["losses"][0] - across["losses"][0]) > 1e-3
 
 
-def _hf_llama(path, vocab_size):
+def _hf_llama(path, vocab_size, **extra):
     import transformers
 
     config = transformers.LlamaConfig(
+        **extra,
         hidden_size=64,
         intermediate_size=96,
         num_attention_heads=8,
@@ -138,6 +139,29 @@ def test_hugging_face_weights_in_and_out(clusters, corpus, tokenizer_dir, tmp_pa
     for name, w in ref.items():
         assert torch.equal(saved[name], w), name
     assert rel_err(saved["lm_head.weight"], hf.state_dict()["lm_head.weight"]) > 1e-3
+
+
+def test_llama31_rope_scaling_from_hugging_face(clusters, corpus, tokenizer_dir, tmp_path):
+    """--init-from-hf of a checkpoint with Llama 3.1's "llama3" rope scaling (pre-training
+    context 32, so that the 128 tokens use scaled frequencies): upipe's context-parallel
+    first loss is transformers' loss of that model on the first batch."""
+    import transformers
+
+    src = tmp_path / "hf_in"
+    rope = dict(
+        rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32,
+    )  # fmt: skip
+    # weights large enough that the scaling moves the loss (by 1e-3 relative; 7e-6 at the
+    # default initializer_range 0.02, under the tolerance)
+    _hf_llama(src, vocab_size=300, rope_parameters=rope, initializer_range=0.3)
+    base = dict(data=corpus, tokenizer=tokenizer_dir, document_mask=False, steps=1)
+    cfg = small_config(strategy="upipe", init_from_hf=str(src), **base)
+    losses = clusters(2).run(_train, cfg)[0]
+    ids, labels = PackedTokens(corpus, tokenizer=tokenizer_dir).batch(0, 1, cfg.seq_len)
+    hf = transformers.LlamaForCausalLM.from_pretrained(src).float()
+    hf_loss = torch.nn.functional.cross_entropy(hf(input_ids=ids).logits[0], labels[0])
+    assert abs(losses[0] - hf_loss.item()) / hf_loss.item() < 1e-5, (losses, hf_loss)
 
 
 def _train(rank, world_size, cfg):

@@ -77,6 +77,7 @@ class ContextParallelAttention(nn.Module):
         heads_per_stage: int | None = None,
         overlap: bool | None = None,
         rope_theta: float = 10000.0,
+        rope_scaling=None,
         rope_interleaved: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
@@ -141,6 +142,7 @@ class ContextParallelAttention(nn.Module):
             head_dim,
         )
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.rope_scaling = rope_scaling  # `upipe.rope.Llama3RopeScaling` or None
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         check_window(window, causal)
@@ -218,7 +220,12 @@ class ContextParallelAttention(nn.Module):
         docs = self._validate(x, position_ids, cu_seqlens)
         d = self.head_dim
         cos, sin = rope_cos_sin(
-            position_ids, d, theta=self.rope_theta, interleaved=self.rope_interleaved, dtype=x.dtype
+            position_ids,
+            d,
+            theta=self.rope_theta,
+            interleaved=self.rope_interleaved,
+            dtype=x.dtype,
+            scaling=self.rope_scaling,
         )
         return self._attend(x, cos, sin, docs)
 

@@ -3,7 +3,7 @@
 Legend: B batch, S full sequence, L = S / C local tokens, D model width, V vocabulary,
 d head dim, C ranks the sequence is split over (group size, or ring x ulysses on a mesh).
 
-    model = LlamaForCausalLM.from_pretrained(path)          # or Qwen2/Qwen3/Mistral
+    model = LlamaForCausalLM.from_pretrained(path)   # or another of hf_archs.ARCHITECTURES
     apply_context_parallel(model, group=dist.group.WORLD)   # strategy="upipe" by default
     batch = shard_batch(input_ids_BS, group=dist.group.WORLD)
     labels_BL = batch.pop("labels")
@@ -12,10 +12,11 @@ d head dim, C ranks the sequence is split over (group size, or ring x ulysses on
     loss.backward()      # parameter gradients: this rank's share; sum them over the ranks
 
 `apply_context_parallel` puts a `HFContextParallelAttention` in place of each decoder layer's
-`self_attn`. It holds the model's own `q_proj`/`k_proj`/`v_proj`/`o_proj` (and Qwen3's
-`q_norm`/`k_norm`) modules -- the same objects, so no weight is copied or permuted and the
-state-dict keys are unchanged: a checkpoint loads before or after the call. RoPE comes from
-the model itself: its rotary embedding turns the *global* position ids of this rank's tokens
+`self_attn`. It holds the model's own `q_proj`/`k_proj`/`v_proj`/`o_proj` (Phi-3's fused
+`qkv_proj`; Qwen3's and OLMo's `q_norm`/`k_norm`: `upipe.integrations.hf_archs`) modules --
+the same objects, so no weight is copied or permuted and the state-dict keys are unchanged: a
+checkpoint loads before or after the call. RoPE comes from the model itself: its rotary
+embedding turns the *global* position ids of this rank's tokens
 into cos/sin (rope scaling "linear", "llama3", "yarn" included), which the decoder layers
 hand to the attention. Nothing is imported from `transformers` at import time; models are
 recognised by class name.
@@ -41,8 +42,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from upipe.attention.common import agree_across_ranks, resolve_groups
-from upipe.attention.module import ContextParallelAttention
 from upipe.comm import shard_sequence
+from upipe.integrations import hf_moe
+from upipe.integrations.hf_archs import ARCHITECTURES, Arch, architecture, rope_types
+from upipe.integrations.hf_attention import HFContextParallelAttention
 from upipe.integrations.hf_memory import (
     MemoryOptions,
     apply_memory_features,
@@ -57,72 +60,22 @@ from upipe.mesh import mesh_coordinates
 from upipe.packing import check_cu_seqlens, document_positions
 from upipe.torch_private import flatten_mesh
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope types whose cos/sin depend only on the position (not on the local sequence length)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the attention implementation a converted model is set to (see the module docstring)
 ATTN_IMPLEMENTATION = "upipe"
 
 
-class HFContextParallelAttention(ContextParallelAttention):
-    """A Hugging Face attention module's projections, run context-parallel.
-
-    Takes over `hf_attn`'s projection (and QK-norm) modules themselves and is called the way
-    the decoder layers call their `self_attn`: `forward(hidden_states, position_embeddings,
-    ...)` with hidden_states `[B, L, D]` (this rank's tokens) and cos/sin `[B or 1, L, d]` for
-    their global positions; returns `(out [B, L, D], None)`. Inputs are validated once per
-    model call by the hook that `apply_context_parallel` puts on the decoder stack.
-    """
-
-    def __init__(self, hf_attn, config, *, group, mesh, strategy, heads_per_stage, backend, state):
-        q_norm = getattr(hf_attn, "q_norm", None)
-        super().__init__(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            hf_attn.head_dim,
-            group=group,
-            mesh=mesh,
-            layout="contiguous",
-            strategy=strategy,
-            heads_per_stage=heads_per_stage,
-            backend=backend,
-            norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
-            device="meta",  # placeholders, replaced by the model's own modules below
-        )
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, getattr(hf_attn, name))
-        if q_norm is not None:
-            self.q_norm, self.k_norm = q_norm, hf_attn.k_norm
-        self.layer_idx = hf_attn.layer_idx
-        self._state = state  # the model call's validated documents (set by the input hook)
-
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
-        # attention_mask: None (the "upipe" implementation has no mask function; the input
-        # hook rejects padding); past_key_values: rejected by the input hook too;
-        # cu_seq_lens_q/k: validated by the input hook, which keeps them in the state
-        B, L, _ = hidden_states.shape
-        cos, sin = (t.expand(B, L, -1) for t in position_embeddings)
-        return self._attend(hidden_states, cos, sin, self._state["docs"]), None
-
-
-def _check_model(model) -> None:
-    names = [c.__name__ for c in type(model).__mro__]
-    if not any(n in SUPPORTED_ARCHITECTURES for n in names):
-        raise ValueError(
-            f"{type(model).__name__} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+def _check_model(model) -> Arch:
+    """The model's `hf_archs.Arch`; ValueError for what cannot be converted."""
+    arch = architecture(model)
     cfg, base = model.config, model.model
     if any(isinstance(layer.self_attn, HFContextParallelAttention) for layer in base.layers):
         raise ValueError("apply_context_parallel was already applied to this model")
-    rope_type = base.rotary_emb.rope_type
-    if rope_type not in STATIC_ROPE_TYPES:
+    for rope_type in rope_types(base.rotary_emb):
+        if rope_type in STATIC_ROPE_TYPES:
+            continue
         raise ValueError(
             f"rope type {rope_type!r} is not supported: its cos/sin depend on the local sequence "
             f"length, which differs from the full one under context parallelism; supported: "
@@ -138,6 +91,7 @@ def _check_model(model) -> None:
         raise ValueError(
             f"attention scaling {base.layers[0].self_attn.scaling} differs from head_dim ** -0.5"
         )
+    return arch
 
 
 def _sequence_group(group, mesh):
@@ -193,6 +147,7 @@ def _model_call(kwargs) -> dict:
         "shift_labels": None if shifted is None else tuple(shifted.shape),
         "logits_to_keep": kwargs.get("logits_to_keep", 0),
         "return_dict": kwargs.get("return_dict"),
+        "router_logits": kwargs.get("output_router_logits"),
     }
 
 
@@ -212,6 +167,7 @@ def _input_hook(state):
         # before calling the decoder stack
         call, state["call"] = state["call"], _model_call({})
         labels_given, shifted = call["labels"], call["shift_labels"]
+        router = state["router"] is not None and state["router"].wanted(call["router_logits"])
         block, n_blocks = _block_index(state["group"], state["mesh"])
         state["docs"] = None
 
@@ -267,16 +223,18 @@ def _input_hook(state):
             )
             if problem is None and labels_given and state["memory"].options.chunked_loss:
                 problem = chunked_call_problem(call["logits_to_keep"], call["return_dict"])
+            problem = problem or hf_moe.problem(state["model"], router)
             if problem:
                 raise ValueError(problem)
 
         def signature():
             B, L = x.shape[:2]
+            sig = {"local batch x tokens": (B, L), "router aux loss": router}
             if state["docs"] is not None:  # positions checked against the documents
-                return {"local batch x tokens": (B, L), "documents": True}
+                return {**sig, "documents": True}
             # a sequence continues across the ranks: rank block r starts at offset + r * L
             offsets = tuple((pos[:, 0] - block * L).tolist())  # (once per model call)
-            return {"local batch x tokens": (B, L), "position offset": offsets}
+            return {**sig, "position offset": offsets}
 
         group, cohort = state["agree"] or (state["ulysses"], None)
         agree_across_ranks(group, local, signature, cohort)
@@ -321,8 +279,10 @@ def apply_context_parallel(
 ):
     """Make a Hugging Face causal LM context-parallel, in place; returns the model.
 
-    Supported: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases),
-    `Qwen3ForCausalLM` (QK-norm). Exactly one of `group` (1-D) or `mesh` (2-D, ring x
+    Supported: `upipe.integrations.hf_archs.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3,
+    Qwen3-MoE, Mixtral, OLMo 2 / 3, Phi-3; what each needs is there, and why GptOss and Gemma
+    are refused). MoE models' router aux loss (`output_router_logits=True`) is the whole
+    sequence's (`upipe.integrations.hf_moe`). Exactly one of `group` (1-D) or `mesh` (2-D, ring x
     ulysses, `upipe.make_mesh`). `strategy`: "upipe" (the fused staged op; `heads_per_stage`
     as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only).
     `backend`: the local attention kernel (`upipe.kernels.BACKENDS`; None: "auto", by device,
@@ -349,7 +309,7 @@ def apply_context_parallel(
     without shift_labels=, generation, combinations of the memory features that do not
     go together).
     """
-    _check_model(model)
+    arch = _check_model(model)
     options = MemoryOptions(
         tiled_mlp=tiled_mlp,
         mlp_tile=mlp_tile,
@@ -378,6 +338,7 @@ def apply_context_parallel(
         layer.self_attn = HFContextParallelAttention(
             layer.self_attn,
             cfg,
+            arch,
             group=group,
             mesh=mesh,
             strategy=strategy,
@@ -395,6 +356,8 @@ def apply_context_parallel(
     sequence_group = _sequence_group(group, mesh)
     model.loss_function = functools.partial(_model_loss, group=sequence_group)
     state["memory"] = install(model, options, sequence_group)
+    state["model"] = model
+    state["router"] = hf_moe.install(model, sequence_group)  # MoE: the whole sequence's aux
     base.register_forward_pre_hook(_input_hook(state), with_kwargs=True)
     return model
 

@@ -42,14 +42,15 @@ run the same code (`upipe.model.features`, `upipe.loss`, `upipe.model.offload`):
 How: the decoder stack's and each decoder layer's `forward` are replaced on the instances
 (`model.model.forward`, `layer.forward`; with `chunked_loss` also `model.forward`), so no
 class, no other model and no library global changes, and module hooks (FSDP2's) still run
-around every call. The stack runs what transformers' Llama / Mistral / Qwen2 / Qwen3
-decoders run -- embedding, rotary embedding, the layers, the final norm -- and each layer
-what their decoder layers run, `h = x + attn(norm_1(x))`, `y = h + mlp(norm_2(h))`, in
-the same order (the tests compare with the unconverted model). It builds no attention mask:
-every attention it runs under is causal without one (upipe's, ALST's drop-ins, sdpa and
-flash), and `eager` / `flex_attention`, which need the mask, are refused. What the
-stack does not do -- caches, `output_hidden_states`, `output_attentions`, padding masks --
-is refused per call with a ValueError.
+around every call. The stack runs what transformers' decoders of the supported architectures
+(`upipe.integrations.hf_archs`) run -- embedding, rotary embedding (per layer type where the
+model has them), the layers, the final norm -- and each layer what their decoder layers run
+(pre-norm `h = x + attn(norm_1(x))`, `y = h + mlp(norm_2(h))`, or OLMo's post-norm form:
+`hf_archs.layer_forward`), in the same order (the tests compare with the unconverted model).
+It builds no attention mask: every attention it runs under is causal without one (upipe's,
+ALST's drop-ins, sdpa and flash), and `eager` / `flex_attention`, which need the mask, are
+refused. What the stack does not do -- caches, `output_hidden_states`, `output_attentions`,
+padding masks -- is refused per call with a ValueError.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ import torch.distributed as dist
 from torch import nn
 
 from upipe.attention.common import agree_across_ranks
+from upipe.integrations.hf_archs import (
+    architecture,
+    layer_forward,
+    memory_problem,
+    rotary_embeddings,
+)
 from upipe.loss import IGNORE_INDEX, count_valid, cross_entropy_sum, global_token_mean
 from upipe.model.features import activation_checkpoint, tiled_recompute
 from upipe.model.offload import Offloader
@@ -71,13 +78,6 @@ from upipe.train.parallelize import MemoryFeatures, check_memory_features
 
 log = logging.getLogger("upipe")
 
-# decoder layers whose forward is the pre-norm residual block the stack runs (module doc)
-PRE_NORM_LAYERS = (
-    "LlamaDecoderLayer",
-    "MistralDecoderLayer",
-    "Qwen2DecoderLayer",
-    "Qwen3DecoderLayer",
-)
 # attention implementations that need transformers' mask, which the stack does not build
 MASKED_ATTENTION = ("eager", "flex_attention")
 
@@ -161,6 +161,7 @@ class HFMemory:
         m = options.blocks_per_checkpoint
         self.n_inputs = -(-n_layers // m) - options.keep_on_gpu  # checkpoints offloaded
         self.offload: Offloader | None = None
+        self.arch = None  # the model's `hf_archs.Arch` where upipe runs its layers
         self._took_over = False
 
     def offloader(self, x_BLD: torch.Tensor) -> Offloader | None:
@@ -248,9 +249,13 @@ class HFMemory:
             f"False}})), or {fix}"
         )
 
-    def run_layers(self, base, layers, x_BLD, args):
-        """The decoder layers on x, checkpointed as `checkpointing` says."""
-        fns = [functools.partial(_call_layer, layer) for layer in layers]
+    def run_layers(self, base, layers, x_BLD, position_embeddings, args):
+        """The decoder layers on x (each with its cos/sin), checkpointed as `checkpointing`
+        says."""
+        fns = [
+            functools.partial(_call_layer, layer, cos_sin)
+            for layer, cos_sin in zip(layers, position_embeddings, strict=True)
+        ]
         m = self.checkpointing(base, layers) if torch.is_grad_enabled() else 0
         if not m:
             for fn in fns:
@@ -299,34 +304,11 @@ def sliding_window(cfg) -> int | None:
     return window
 
 
-def _call_layer(layer, x_BLD, position_embeddings, position_ids, kwargs):
+def _call_layer(layer, position_embeddings, x_BLD, position_ids, kwargs):
     """One decoder layer through its module call (so FSDP2's hooks run)."""
     return layer(
         x_BLD, position_embeddings=position_embeddings, position_ids=position_ids, **kwargs
     )
-
-
-def _decoder_layer(layer, memory: HFMemory, hidden_states, position_embeddings=None, **kwargs):
-    """A pre-norm decoder layer (`PRE_NORM_LAYERS`): h = x + attn(norm_1(x)), then
-    y = h + mlp(norm_2(h)), the second half in tiles with `tiled_mlp`."""
-    x_BLD = hidden_states
-    kwargs.pop("attention_mask", None)  # None here (see the module doc)
-    attn_BLD, _ = layer.self_attn(
-        hidden_states=tiled_recompute(layer.input_layernorm, x_BLD, memory.options.mlp_tile),
-        position_embeddings=position_embeddings,
-        attention_mask=None,
-        **kwargs,
-    )
-    h_BLD = x_BLD + attn_BLD
-    del attn_BLD
-    opt = memory.options
-    if not opt.tiled_mlp:
-        return h_BLD + layer.mlp(layer.post_attention_layernorm(h_BLD))
-    return tiled_recompute(functools.partial(_mlp_rows, layer), h_BLD, opt.mlp_tile, residual=True)
-
-
-def _mlp_rows(layer, h_BTD):
-    return layer.mlp(layer.post_attention_layernorm(h_BTD))
 
 
 def _decoder_stack(
@@ -344,18 +326,20 @@ def _decoder_stack(
     """The decoder stack's forward (module doc); its input hook has checked the call.
     `_upipe_final_norm=False` (from the chunked loss, which runs the norm in its chunks):
     the last layer's output, not normalised."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     x_BLD = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     if position_ids is None:
         position_ids = torch.arange(x_BLD.shape[1], device=x_BLD.device).unsqueeze(0)
-    cos_sin = base.rotary_emb(x_BLD, position_ids=position_ids)
+    cos_sin = rotary_embeddings(base, x_BLD, position_ids)
     layers = list(base.layers[: base.config.num_hidden_layers])
-    x_BLD = memory.run_layers(base, layers, x_BLD, (cos_sin, position_ids, kwargs))
+    x_BLD = memory.run_layers(base, layers, x_BLD, cos_sin, (position_ids, kwargs))
     if _upipe_final_norm:
         x_BLD = tiled_recompute(base.norm, x_BLD, memory.options.mlp_tile)
+    if memory.arch.router:  # (the MoE causal LMs read its router_logits: upipe's, hf_moe)
+        return MoeModelOutputWithPast(last_hidden_state=x_BLD, router_logits=None)
     return BaseModelOutputWithPast(last_hidden_state=x_BLD)
 
 
@@ -459,18 +443,13 @@ def model_problem(model, options: MemoryOptions) -> str | None:
     if getattr(model, "upipe_memory", None) is not None:
         return "upipe's memory features were already applied to this model"
     if options.layers_replaced:
-        unknown = sorted(
-            {
-                type(layer).__name__
-                for layer in base.layers
-                if not any(c.__name__ in PRE_NORM_LAYERS for c in type(layer).__mro__)
-            }
-        )
-        if unknown:
-            return (
-                f"tiled_mlp / activation_checkpoint run the decoder layers as pre-norm residual "
-                f"blocks, known for {', '.join(PRE_NORM_LAYERS)}; this model's are {unknown}"
-            )
+        try:
+            arch = architecture(model)
+        except ValueError as e:
+            return f"tiled_mlp / activation_checkpoint run upipe's decoder layers: {e}"
+        problem = memory_problem(model, arch)
+        if problem:
+            return problem
     if options.chunked_loss:
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
@@ -487,9 +466,11 @@ def install(model, options: MemoryOptions, group) -> HFMemory:
     memory = HFMemory(options, len(base.layers), group)
     model.upipe_memory = memory
     if options.layers_replaced:
+        memory.arch = architecture(model)
         base.forward = functools.partial(_decoder_stack, base, memory)
+        forward = layer_forward(memory.arch)
         for layer in base.layers:
-            layer.forward = functools.partial(_decoder_layer, layer, memory)
+            layer.forward = functools.partial(forward, layer, memory)
     if options.chunked_loss:
         hf_forward = model.forward
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from upipe.rope import Llama3RopeScaling
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ModelConfig:
@@ -23,6 +25,8 @@ class ModelConfig:
     """Hidden width of the SwiGLU MLP."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_scaling: Llama3RopeScaling | None = None
+    """Llama 3.1's "llama3" scaling of the RoPE frequencies (None: plain RoPE)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     qk_norm: bool = False

@@ -10,9 +10,10 @@ every tensor maps by name with no permutation; only these keys are special:
   does), skipped on load (tied to `model.embed_tokens.weight`, as `transformers` does);
 - `*.rotary_emb.inv_freq` (old checkpoints): skipped, RoPE is computed from `rope_theta`.
 
-What `CausalLM` computes: RMSNorm, plain RoPE (no scaling), SwiGLU MLP, GQA with attention
-scale head_dim^-1/2, no biases, QK-norm for Qwen3. A config asking for anything else (rope
-scaling such as Llama 3.1's "llama3", biases, sliding windows, another activation) is
+What `CausalLM` computes: RMSNorm, RoPE (plain, or with Llama 3.1's "llama3" frequency
+scaling: `upipe.rope.Llama3RopeScaling`), SwiGLU MLP, GQA with attention scale head_dim^-1/2,
+no biases, QK-norm for Qwen3. A config asking for anything else (other rope scalings such as
+"yarn" or "linear", biases, sliding windows, another activation) is
 refused with a ValueError instead of loading weights into a model that computes something
 else; such models run context-parallel through `upipe.integrations.hf` instead.
 
@@ -30,6 +31,7 @@ import torch
 
 from upipe.model.config import ModelConfig
 from upipe.model.llama import CausalLM
+from upipe.rope import Llama3RopeScaling
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -57,24 +59,33 @@ def read_hf_config(path: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
-def _rope_theta(hf: dict) -> float:
-    """rope_theta from transformers 5's `rope_parameters` or 4's `rope_theta`/`rope_scaling`;
-    ValueError for any RoPE other than the plain one."""
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None) from transformers 5's `rope_parameters` or 4's
+    `rope_theta`/`rope_scaling`; ValueError for any RoPE but the plain one and "llama3"."""
     params = hf.get("rope_parameters")
     if params is not None and "rope_type" not in params and "rope_theta" not in params:
         raise ValueError(f"per-layer-type rope_parameters ({sorted(params)}) are not supported")
     if params is None:
         params = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         raise ValueError(
-            f"rope type {rope_type!r} is not supported by upipe.model.CausalLM (plain RoPE only, "
-            "upipe.rope); run this model with transformers and "
+            f"rope type {rope_type!r} is not supported by upipe.model.CausalLM (plain RoPE and "
+            "'llama3' only, upipe.rope); run this model with transformers and "
             "upipe.integrations.hf.apply_context_parallel instead"
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not 1.0")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    missing = [k for k in LLAMA3_KEYS if k not in params]
+    if missing:
+        raise ValueError(f"rope type 'llama3' needs {', '.join(missing)} in rope_parameters")
+    return theta, Llama3RopeScaling(**{k: params[k] for k in LLAMA3_KEYS})
 
 
 def config_from_hf(hf: dict | str | Path) -> ModelConfig:
@@ -105,8 +116,12 @@ def config_from_hf(hf: dict | str | Path) -> ModelConfig:
             raise ValueError(
                 f"{key}={hf[key]!r} is not supported by upipe.model.CausalLM (it needs {wanted!r})"
             )
+    theta, scaling = _rope(hf)
     return dataclasses.replace(
-        hf_shapes(hf), rope_theta=_rope_theta(hf), norm_eps=hf.get("rms_norm_eps", 1e-6)
+        hf_shapes(hf),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
     )
 
 
@@ -133,7 +148,8 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype, base: dict | None = None)
     """The `config.json` dict of a `CausalLM` with `cfg`: Qwen3 if it has QK-norm, else Llama.
     `base` (e.g. the config the weights were loaded from) contributes the fields upipe does
     not model (token ids, max_position_embeddings, ...); the shapes always come from `cfg`.
-    RoPE is written both ways (`rope_theta` for transformers 4, `rope_parameters` for 5)."""
+    RoPE is written both ways (`rope_theta`/`rope_scaling` for transformers 4,
+    `rope_parameters` for 5)."""
     model_type = "qwen3" if cfg.qk_norm else "llama"
     if base is not None and base.get("model_type", model_type) != model_type:
         raise ValueError(
@@ -141,6 +157,11 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype, base: dict | None = None)
             f"(qk_norm={cfg.qk_norm})"
         )
     out = {k: v for k, v in (base or {}).items() if k not in ("torch_dtype", "dtype")}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = None
+    if cfg.rope_scaling is not None:
+        scaling = dict(rope_type="llama3", **dataclasses.asdict(cfg.rope_scaling))
+        rope.update(scaling)
     out.update(
         architectures=[ARCHITECTURES[model_type]],
         model_type=model_type,
@@ -154,8 +175,8 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype, base: dict | None = None)
         hidden_act="silu",
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
-        rope_scaling=None,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_scaling=scaling,
+        rope_parameters=rope,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         attention_dropout=0.0,

@@ -45,7 +45,7 @@ class Attention(nn.Module):
         D, H, G, d = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
         self.window = window
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.q_proj = nn.Linear(D, H * d, bias=False)
         self.k_proj = nn.Linear(D, G * d, bias=False)
         self.v_proj = nn.Linear(D, G * d, bias=False)
@@ -62,7 +62,9 @@ class Attention(nn.Module):
         call per document on its rows (no L x L mask). None: one document."""
         B, L, _ = x_BLD.shape
         d = self.head_dim
-        cos, sin = rope_cos_sin(position_ids_BL, d, theta=self.rope_theta, dtype=x_BLD.dtype)
+        cos, sin = rope_cos_sin(
+            position_ids_BL, d, theta=self.rope_theta, scaling=self.rope_scaling, dtype=x_BLD.dtype
+        )
         q_BLHd = self.q_proj(x_BLD).view(B, L, -1, d)
         k_BLGd = self.k_proj(x_BLD).view(B, L, -1, d)
         if self.q_norm is not None:

@@ -75,7 +75,7 @@ MAX_GRAD_NORM = 1.0  # TrainingArguments' default max_grad_norm
 def load_hf_config(path_or_name: str) -> dict:
     """The config.json dict of a path, or of a shipped config by name (`SHIPPED`), checked:
     a supported architecture and every `REQUIRED` field (ValueError naming what is wrong)."""
-    from upipe.integrations.hf import SUPPORTED_ARCHITECTURES
+    from upipe.integrations.hf_archs import PLANNED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 
     if path_or_name in SHIPPED:
         path = CONFIGS / SHIPPED[path_or_name]

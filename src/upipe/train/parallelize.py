@@ -87,6 +87,7 @@ def parallelize(
             strategy=spec.module,
             heads_per_stage=heads_per_stage if spec.heads_per_stage else None,
             rope_theta=old.rope_theta,
+            rope_scaling=old.rope_scaling,
             qk_norm=old.q_norm is not None,
             norm_eps=old.norm_eps,
             backend=backend,

@@ -1,0 +1,226 @@
+"""The Hugging Face architectures `apply_context_parallel` converts, and what each one needs:
+one table (`ARCHITECTURES`), the refusals of the ones it cannot convert yet (`BLOCKED`), and
+the per-architecture pieces the integration is built from -- where the q/k/v rows are, which
+QK-norm, which decoder-layer form.
+
+Legend: B batch, L tokens of this rank, D width, H query heads, G kv heads, d head dim,
+T tile tokens.
+
+What differs between the supported decoders, and how upipe runs it:
+- q/k/v projections: separate `q_proj`/`k_proj`/`v_proj` (Llama, ...), or one fused
+  `qkv_proj` `[(H + 2G) d, D]` (Phi-3), whose row blocks are handed to the attention as
+  views (`FusedRows`: one split per call, so the weight gradient is one concatenation).
+- QK-norm: none; over each head's d features ("head": Qwen3, Qwen3-MoE), inside UPipe's
+  fused stages; or over the whole projection of a token, all H d (resp. G d) features at once
+  ("projection": OLMo 2 / OLMo 3). The latter couples all heads of a token, so the heads
+  cannot be projected stage by stage: q, k, v are projected and normalised in full by the
+  model's own norm modules, then the staged (not fused) UPipe op runs -- exact, but the
+  memory saving of the fused projections is lost (q/k/v `[B, L, H d]` exist).
+- Decoder layer (for upipe's own layer forward under `tiled_mlp` / `activation_checkpoint`):
+  "pre_norm", h = x + attn(norm_1(x)), y = h + mlp(norm_2(h)) (Llama, Mistral, Qwen, Mixtral,
+  Phi-3 with resid_pdrop = 0); "post_norm", h = x + norm_1(attn(x)), y = h + norm_2(mlp(h))
+  (OLMo 2 / 3).
+- MoE (Mixtral, Qwen3-MoE): the model's sparse MoE block stays as it is (routing is per
+  token, so tiles of tokens route as the whole does); its router aux loss is computed over
+  the whole sequence (`upipe.integrations.hf_moe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch.nn.functional as F
+
+from upipe.model.features import tiled_recompute
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Arch:
+    """What upipe needs to know of a Hugging Face decoder architecture (module doc)."""
+
+    qkv: str = "split"
+    """"split" (q_proj, k_proj, v_proj) or "fused" (one qkv_proj)."""
+    qk_norm: str | None = None
+    """None, "head" (RMSNorm over each head's d) or "projection" (over all heads' H d)."""
+    layer: str = "pre_norm"
+    """The decoder layer's form: "pre_norm" or "post_norm"."""
+    router: bool = False
+    """Mixture-of-experts layers with top-k routers (an aux loss)."""
+
+
+ARCHITECTURES: dict[str, Arch] = {
+    "LlamaForCausalLM": Arch(),
+    "MistralForCausalLM": Arch(),
+    "Qwen2ForCausalLM": Arch(),
+    "Qwen3ForCausalLM": Arch(qk_norm="head"),
+    "Qwen3MoeForCausalLM": Arch(qk_norm="head", router=True),
+    "MixtralForCausalLM": Arch(router=True),
+    "Olmo2ForCausalLM": Arch(qk_norm="projection", layer="post_norm"),
+    "Olmo3ForCausalLM": Arch(qk_norm="projection", layer="post_norm"),
+    "Phi3ForCausalLM": Arch(qkv="fused"),
+}
+"""The supported architectures (by class name: transformers is not imported)."""
+
+PLANNED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+"""Those `upipe plan --hf-config` simulates: its time model and shapes (`hf_shapes`) count a
+dense MLP and fused attention projections -- not the experts of an MoE model, OLMo's unfused
+attention or Phi-3's fused rows."""
+
+
+def _sliding_layers(cfg) -> str:
+    types = list(getattr(cfg, "layer_types", None) or [])
+    n = types.count("sliding_attention")
+    return (
+        f"sliding-window layers (layer_types: {n} of {len(types)} 'sliding_attention', "
+        f"sliding_window={cfg.sliding_window})"
+    )
+
+
+def _gpt_oss(cfg) -> str:
+    return (
+        f"GptOssForCausalLM needs attention sinks (a learned sink logit per head, "
+        f"self_attn.sinks) and {_sliding_layers(cfg)}, not supported yet"
+    )
+
+
+def _gemma(name):
+    def problem(cfg) -> str:
+        needs = [_sliding_layers(cfg)] if "sliding_attention" in (cfg.layer_types or ()) else []
+        if getattr(cfg, "attn_logit_softcapping", None):
+            needs.append(f"attention logit soft-capping ({cfg.attn_logit_softcapping})")
+        needs += [
+            f"the softmax scale query_pre_attn_scalar ** -0.5 ({cfg.query_pre_attn_scalar}), "
+            "not head_dim ** -0.5",
+            "Gemma's (1 + weight) RMSNorm as QK-norm",
+            "four norms per layer (pre/post attention, pre/post feed-forward)",
+            "a RoPE base per layer type (rope_parameters per 'sliding_attention' / "
+            "'full_attention')",
+        ]
+        return f"{name} needs {'; '.join(needs)}: not supported yet"
+
+    return problem
+
+
+BLOCKED = {
+    "GptOssForCausalLM": _gpt_oss,
+    "Gemma3ForCausalLM": _gemma("Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": _gemma("Gemma3ForConditionalGeneration"),
+    "Gemma2ForCausalLM": _gemma("Gemma2ForCausalLM"),
+}
+"""Architectures refused with what they need (`upipe.integrations.hf` docs, "Supported")."""
+
+
+def architecture(model) -> Arch:
+    """The `Arch` of a transformers causal LM; ValueError naming what blocks it otherwise."""
+    names = [c.__name__ for c in type(model).__mro__]
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+        if name in BLOCKED:
+            raise ValueError(BLOCKED[name](model.config))
+    raise ValueError(
+        f"{type(model).__name__} is not supported; supported architectures: "
+        f"{', '.join(ARCHITECTURES)}"
+    )
+
+
+def memory_problem(model, arch: Arch) -> str | None:
+    """Why upipe's own layer forward (tiled_mlp / activation_checkpoint) would compute
+    something else than this model's layers, or None."""
+    cfg = model.config
+    for name in ("resid_pdrop", "router_jitter_noise"):  # (Phi-3, Mixtral)
+        value = getattr(cfg, name, 0.0) or 0.0
+        if value:
+            return (
+                f"{name}={value} with tiled_mlp / activation_checkpoint: the recomputation "
+                f"would draw other random numbers than the forward; set config.{name} = 0.0 "
+                "or turn those options off"
+            )
+    return None
+
+
+class FusedRows:
+    """q_proj, k_proj and v_proj of a fused `qkv_proj` for one call: views of its weight's
+    row blocks `[H d | G d | G d, D]`, made by one split (its backward: one concatenation),
+    each usable as a bias-free `torch.nn.Linear`."""
+
+    def __init__(self, qkv_proj, sizes):
+        self.parts = [_Rows(w) for w in qkv_proj.weight.split(sizes)]
+
+
+class _Rows:
+    def __init__(self, weight):
+        self.weight, self.bias = weight, None
+
+    def __call__(self, x):
+        return F.linear(x, self.weight)
+
+
+def layer_forward(arch: Arch):
+    """upipe's forward of one decoder layer of `arch` (the module doc's forms):
+    `fn(layer, memory, hidden_states, position_embeddings=None, **kwargs)`."""
+    return _post_norm_layer if arch.layer == "post_norm" else _pre_norm_layer
+
+
+def _attention(layer, x_BLD, position_embeddings, kwargs):
+    kwargs.pop("attention_mask", None)  # None here (see upipe.integrations.hf_memory)
+    out_BLD, _ = layer.self_attn(
+        hidden_states=x_BLD, position_embeddings=position_embeddings, attention_mask=None, **kwargs
+    )
+    return out_BLD
+
+
+def _pre_norm_layer(layer, memory, hidden_states, position_embeddings=None, **kwargs):
+    """h = x + attn(norm_1(x)), then y = h + mlp(norm_2(h)), the second half in tiles with
+    `tiled_mlp`; norm_1 runs in tiles, keeping only its input."""
+    x_BLD, opt = hidden_states, memory.options
+    normed_BLD = tiled_recompute(layer.input_layernorm, x_BLD, opt.mlp_tile)
+    h_BLD = x_BLD + _attention(layer, normed_BLD, position_embeddings, kwargs)
+    if not opt.tiled_mlp:
+        return h_BLD + layer.mlp(layer.post_attention_layernorm(h_BLD))
+    fn = functools.partial(_norm_then_mlp, layer)
+    return tiled_recompute(fn, h_BLD, opt.mlp_tile, residual=True)
+
+
+def _norm_then_mlp(layer, h_BTD):
+    return layer.mlp(layer.post_attention_layernorm(h_BTD))
+
+
+def _post_norm_layer(layer, memory, hidden_states, position_embeddings=None, **kwargs):
+    """h = x + norm_1(attn(x)), then y = h + norm_2(mlp(h)), the second half in tiles with
+    `tiled_mlp`; norm_1 runs in tiles, keeping only its input."""
+    x_BLD, opt = hidden_states, memory.options
+    attn_BLD = _attention(layer, x_BLD, position_embeddings, kwargs)
+    h_BLD = x_BLD + tiled_recompute(layer.post_attention_layernorm, attn_BLD, opt.mlp_tile)
+    del attn_BLD
+    if not opt.tiled_mlp:
+        return h_BLD + layer.post_feedforward_layernorm(layer.mlp(h_BLD))
+    fn = functools.partial(_mlp_then_norm, layer)
+    return tiled_recompute(fn, h_BLD, opt.mlp_tile, residual=True)
+
+
+def _mlp_then_norm(layer, h_BTD):
+    return layer.post_feedforward_layernorm(layer.mlp(h_BTD))
+
+
+def rotary_embeddings(base, x_BLD, position_ids):
+    """The decoder stack's cos/sin for each layer: one pair for all (Llama, ...), or one per
+    layer type where the rotary embedding takes it (OLMo 3: `rotary_emb(x, pos, layer_type)`)."""
+    types = getattr(base.config, "layer_types", None)
+    if isinstance(getattr(base.rotary_emb, "rope_type", None), dict):  # per layer type
+        by_type = {t: base.rotary_emb(x_BLD, position_ids, t) for t in sorted(set(types))}
+        return [by_type[t] for t in types]
+    cos_sin = base.rotary_emb(x_BLD, position_ids=position_ids)
+    return [cos_sin] * base.config.num_hidden_layers
+
+
+def rope_types(rotary_emb) -> tuple[str, ...]:
+    """The rope types of a model's rotary embedding (one, or one per layer type)."""
+    rope_type = rotary_emb.rope_type
+    return tuple(rope_type.values()) if isinstance(rope_type, dict) else (rope_type,)

@@ -1,0 +1,97 @@
+"""`HFContextParallelAttention`: a Hugging Face attention module's own projections (and
+QK-norm) run by upipe's context-parallel strategies; `upipe.integrations.hf` puts one in place
+of each decoder layer's `self_attn`.
+
+Legend: B batch, L local tokens, D model width, H query heads, G kv heads, d head dim,
+r rotary features per head (d, or fewer: partial rotary).
+"""
+
+from __future__ import annotations
+
+from upipe.attention.module import ContextParallelAttention
+from upipe.attention.registry import get_strategy
+from upipe.attention.upipe import upipe_attention
+from upipe.attention.usp import usp_attention
+from upipe.integrations.hf_archs import Arch, FusedRows
+from upipe.rope import apply_rope
+
+
+class HFContextParallelAttention(ContextParallelAttention):
+    """A Hugging Face attention module's projections, run context-parallel.
+
+    Takes over `hf_attn`'s projection (and QK-norm) modules themselves and is called the way
+    the decoder layers call their `self_attn`: `forward(hidden_states, position_embeddings,
+    ...)` with hidden_states `[B, L, D]` (this rank's tokens) and cos/sin `[B or 1, L, r]`
+    for their global positions (r = d, or fewer: partial rotary); returns `(out [B, L, D],
+    None)`. Inputs are validated once per model call by the hook that `apply_context_parallel`
+    puts on the decoder stack. `arch` (`hf_archs.Arch`): where the q/k/v rows are (a fused
+    `qkv_proj`: Phi-3) and which QK-norm (per head inside the fused stages; over the whole
+    projection: OLMo, run unfused, see `hf_archs`).
+    """
+
+    def __init__(
+        self, hf_attn, config, arch: Arch, *, group, mesh, strategy, heads_per_stage, backend,
+        state,
+    ):  # fmt: skip
+        q_norm = getattr(hf_attn, "q_norm", None) if arch.qk_norm == "head" else None
+        super().__init__(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            hf_attn.head_dim,
+            group=group,
+            mesh=mesh,
+            layout="contiguous",
+            strategy=strategy,
+            heads_per_stage=heads_per_stage,
+            backend=backend,
+            norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
+            device="meta",  # placeholders, replaced by the model's own modules below
+        )
+        self.arch = arch
+        names = ("q_proj", "k_proj", "v_proj", "o_proj") if arch.qkv == "split" else ("o_proj",)
+        for name in names:
+            setattr(self, name, getattr(hf_attn, name))
+        if arch.qkv == "fused":  # q/k/v_proj: views of qkv_proj's rows, per call (forward)
+            del self.q_proj, self.k_proj, self.v_proj
+            self.qkv_proj = hf_attn.qkv_proj
+            H, G, d = config.num_attention_heads, config.num_key_value_heads, hf_attn.head_dim
+            self._qkv_sizes = (H * d, G * d, G * d)
+        if arch.qk_norm is not None:
+            self.q_norm, self.k_norm = hf_attn.q_norm, hf_attn.k_norm
+        self.layer_idx = hf_attn.layer_idx
+        self._state = state  # the model call's validated documents (set by the input hook)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        # attention_mask: None (the "upipe" implementation has no mask function; the input
+        # hook rejects padding); past_key_values: rejected by the input hook too;
+        # cu_seq_lens_q/k: validated by the input hook, which keeps them in the state
+        B, L, _ = hidden_states.shape
+        cos, sin = (t.expand(B, L, -1) for t in position_embeddings)
+        if self.arch.qkv == "fused":
+            self.q_proj, self.k_proj, self.v_proj = FusedRows(self.qkv_proj, self._qkv_sizes).parts
+        try:
+            return self._attend(hidden_states, cos, sin, self._state["docs"]), None
+        finally:
+            if self.arch.qkv == "fused":
+                del self.q_proj, self.k_proj, self.v_proj
+
+    def _attend(self, x, cos, sin, docs=None):
+        if self.arch.qk_norm != "projection":
+            return super()._attend(x, cos, sin, docs)
+        # QK-norm over the whole projection (OLMo): q, k, v in full, then the strategy's op
+        B, L, _ = x.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x)).view(B, L, -1, d)
+        k = self.k_norm(self.k_proj(x)).view(B, L, -1, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = self.v_proj(x).view(B, L, -1, d)
+        kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, layout=self.layout)
+        where = dict(group=self.group) if self.mesh is None else dict(mesh=self.mesh)
+        if self.strategy == "upipe":
+            out = upipe_attention(q, k, v, heads_per_stage=self.heads_per_stage, **where, **kw)
+        elif self.mesh is None:
+            out = get_strategy(self.strategy).op(q, k, v, **where, **kw)
+        else:  # ulysses on a mesh: USP
+            out = usp_attention(q, k, v, **where, **kw)
+        return self.o_proj(out.flatten(2))
