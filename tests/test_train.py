@@ -261,21 +261,6 @@ def test_banner_says_where_the_ulysses_groups_are():
 
 
 @pytest.mark.slow
-def test_torchrun_prints_the_banner(tmp_path):
-    """Under torchrun (2 ranks on this machine), rank 0 prints the banner with node placement
-    before the first step."""
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "upipe.train", "--steps", "1", "--seq-len", "128", "--plot", "",
-         "--data", CORPUS],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("parameters), strategy upipe, 2 CPU ranks on 1 node(s) of 2") == 1
-    assert "is inside a node" in res.stdout, res.stdout
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "sig,code,by", [("SIGINT", 130, "Ctrl-C (SIGINT)"), ("SIGTERM", 143, "SIGTERM")]
 )
@@ -310,9 +295,10 @@ def test_a_stopped_run_says_so_and_leaks_nothing(tmp_path, sig, code, by):
 
 @pytest.mark.slow
 def test_a_dead_node_is_one_line_naming_it(tmp_path):
-    """Two torchrun "nodes" on this machine (static rendezvous, one rank each); node 1's
-    torchrun is killed after the first step: node 0 ends with one line naming node 1 and
-    rank 1, its traceback in upipe-train-rank0.log, no gloo traceback on screen."""
+    """Two torchrun "nodes" on this machine (static rendezvous, one rank each): rank 0
+    prints the banner with node placement; node 1's torchrun is killed after the first
+    step: node 0 ends with one line naming node 1 and rank 1, its traceback in
+    upipe-train-rank0.log, no gloo traceback on screen."""
     import signal
     import socket
     import time
@@ -338,11 +324,14 @@ def test_a_dead_node_is_one_line_naming_it(tmp_path):
             seen += nodes[0].stderr.read(1)
         assert "loss=" in seen, seen[-2000:]
         os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1: its torchrun and its rank
-        _, err = nodes[0].communicate(timeout=180)
+        out, err = nodes[0].communicate(timeout=180)
     finally:
         for p in nodes:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+    # rank 0's banner, with the node placement (once, before the first step)
+    assert out.count("parameters), strategy upipe, 2 CPU ranks on 2 node(s) of 1") == 1, out
+    assert "ranks is ACROSS a node" in out, out
     line = next(ln for ln in err.splitlines() if "lost its peers" in ln)
     assert "rank 0 (node 0," in line and "node 1 (" in line and "rank 1)" in line, line
     assert nodes[0].returncode != 0
