@@ -213,3 +213,22 @@ def test_bad_sinks_raise_on_every_rank(clusters, make, match):
     for errors in got:
         assert all(e is not None and re.search(match, e) for e in errors), got
     assert len({e for errors in got for e in errors}) <= 2, got  # a rank's own or its peer's
+
+
+# --- upipe bench --layer --window --sinks ------------------------------------------------
+
+
+def test_bench_layer_with_window_and_sinks():
+    """`upipe bench --layer --window 5 --sinks`: every strategy's layer right against the
+    float64 layer, the sinks' gradient among the results; the options need --layer."""
+    from upipe.bench import BenchConfig, run_bench, validate
+
+    kw = dict(nproc=2, seq_lens=(64,), heads=4, kv_heads=2, head_dim=8, json="", plot="")
+    assert "add --layer" in validate(BenchConfig(**kw, sinks=True), 2)
+    assert "causal" in validate(BenchConfig(**kw, layer=True, window=5, causal=False), 2)
+    cfg = BenchConfig(**kw, methods=("ulysses", "upipe", "ring"), repeats=1, warmup=0,
+                      layer=True, window=5, sinks=True)  # fmt: skip
+    doc = run_bench(cfg, quiet=True)
+    assert len(doc["results"]) == 3, doc["methods"]
+    for r in doc["results"]:
+        assert "dsinks" in r["rel_err"] and r["correct"] and r["max_rel_err"] < 1e-5, r
