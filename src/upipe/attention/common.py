@@ -26,6 +26,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from upipe.attention.sinks import check_sinks
 from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
 from upipe.kernels import check_kernel
@@ -271,6 +272,7 @@ def validate_qkv(
     split_heads=True,
     uneven=False,
     window=None,
+    sinks=None,
 ):
     """Full validation of a strategy's (q, k, v) on every rank.
 
@@ -282,7 +284,9 @@ def validate_qkv(
     strategy-specific local checks, called once the common checks passed (so q, k, v are
     valid 4-D tensors by then). `uneven`: the strategy splits heads unevenly where C does not
     divide them (`check_qkv_local`). `window`: the strategy's sliding window
-    (`upipe.attention.window.check_window`), which all ranks must agree on.
+    (`upipe.attention.window.check_window`), which all ranks must agree on. `sinks`: the
+    attention sinks (`upipe.attention.sinks.check_sinks`: `[H]`, floating, on q's device),
+    whose presence all ranks must agree on.
     """
     C = check_group(group)
 
@@ -300,6 +304,7 @@ def validate_qkv(
             uneven=uneven and split_heads,
         )
         check_window(window, causal)
+        check_sinks(sinks, q.shape[2], q.device)
         if extra is not None:
             extra(C)
 
@@ -313,6 +318,7 @@ def validate_qkv(
             "softmax_scale": softmax_scale,
             "backend": backend,
             "window": window,
+            "sinks": sinks is not None,
             **(extra_signature or {}),
         }
 

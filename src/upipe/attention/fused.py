@@ -45,27 +45,37 @@ import functools
 
 import torch
 
-from upipe.attention import kept
+from upipe.attention import kept, sinks
 from upipe.attention.common import save_for_backward, saved_for_backward
 from upipe.attention.schedule import add_kv_, put_q
 from upipe.attention.stage import StageAttention
 from upipe.attention.staged_layer import DxAccumulator, FusedPlan, Prep, StagedLayer, staged
-from upipe.attention.upipe import accumulate
+from upipe.attention.upipe import accumulate, put_stage_sinks_, stage_sinks
 from upipe.comm import HeadExchange, Together
 from upipe.comm_uneven import to_seq
 from upipe.kernels import acc_dtype, resolve_backend, uses_cuda_kernels
 
 
-def _forward(layer: StagedLayer):
-    """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse."""
+def _rank(plan: FusedPlan):
+    return torch.distributed.get_world_size(plan.ex.group), torch.distributed.get_rank(
+        plan.ex.group
+    )
+
+
+def _forward(layer: StagedLayer, sinks_H=None):
+    """Returns y `[B, L, D]`, the per-stage outputs out_BLUd and the per-stage lse (with
+    `sinks_H`, `upipe.attention.sinks`: out' and lse')."""
     plan = layer.plan
     out_slices, lse_list, stage_ids = [], [], []
+    C, rank = _rank(plan)
     for rnd in plan.rounds:
         k_BSkd, v_BSkd = layer.kv(rnd)
         stages = staged(len(rnd.stages), functools.partial(layer.q, rnd), plan.overlap)
         for s, q_BSud in stages:
             out_BSud, lse_BuS = rnd.stage_attention(plan.attn, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
+            if sinks_H is not None:  # out' (in place) and lse'
+                lse_BuS = sinks.apply_(out_BSud, lse_BuS, stage_sinks(sinks_H, rnd, s, C, rank))
             out_slices.append(to_seq(plan.ex, out_BSud, rnd.q_split(s)))
             del out_BSud
             lse_list.append(lse_BuS)
@@ -147,9 +157,10 @@ class _Grads:
         )
 
 
-def _backward(dy, layer: StagedLayer, out_slices, lse_list):
-    """Gradients (dx, dwq, dwk, dwv, dwo, d q_norm, d k_norm, dbq, dbk, dbv), the norm and
-    bias gradients None where absent. Empties `out_slices` and `lse_list` as it goes.
+def _backward(dy, layer: StagedLayer, out_slices, lse_list, sinks_H=None):
+    """Gradients (dx, dwq, dwk, dwv, dwo, d q_norm, d k_norm, dbq, dbk, dbv, d sinks), the
+    norm, bias and sink gradients None where absent (d sinks: this rank's heads, zeros
+    elsewhere). Empties `out_slices` and `lse_list` as it goes.
 
     Memory: each stage's saved output is freed once its stage is done, and the projection
     gradients dq (and per round dk, dv) wait in the sequence layout until they are as big as
@@ -160,14 +171,22 @@ def _backward(dy, layer: StagedLayer, out_slices, lse_list):
     N, D, d = layer.B * layer.L, layer.D, layer.d
     x_ND, dy_ND = layer.x_ND, dy.reshape(N, D)
     grads, dx = _Grads(layer), DxAccumulator(layer, layer.x.dtype)
+    C, rank = _rank(plan)
+    dsinks_H = None if sinks_H is None else sinks.zeros_like_sinks(sinks_H, lse_list[0].dtype)
     for rnd in plan.rounds:
         k_BSkd, v_BSkd = layer.kv(rnd)
         dk32_BSkd = dv32_BSkd = None
         start = functools.partial(_backward_exchanges, layer, dy_ND, grads.wo_DHd, out_slices, rnd)
         for s, (q_BSud, out_BSud, dout_BSud) in staged(len(rnd.stages), start, plan.overlap):
+            lse_BuS = lse_list.pop(0)
+            if sinks_H is not None:
+                sink_u = stage_sinks(sinks_H, rnd, s, C, rank)
+                dsink_u = sinks.grad(dout_BSud, out_BSud, lse_BuS, sink_u)
+                put_stage_sinks_(dsinks_H, rnd, s, C, rank, dsink_u)
             dq_BSud, dk_BSkd, dv_BSkd = rnd.stage_attention(plan.attn, s).backward(
-                dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_list.pop(0)
+                dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_BuS
             )
+            del lse_BuS
             del dout_BSud, q_BSud, out_BSud
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
@@ -191,7 +210,8 @@ def _backward(dy, layer: StagedLayer, out_slices, lse_list):
         while kv_sums:
             _send_back_kv(layer, rnd, *kv_sums.pop(0), grads, dx)
         dx.end_round()
-    return grads.result(layer, dx.result(layer.x.dtype))
+    dsinks = None if dsinks_H is None else dsinks_H.to(sinks_H.dtype)
+    return (*grads.result(layer, dx.result(layer.x.dtype)), dsinks)
 
 
 def _send_back_kv(layer: StagedLayer, rnd, name, d32_BSkd, grads: _Grads, dx: DxAccumulator):
@@ -241,7 +261,7 @@ class _FusedUPipe(torch.autograd.Function):
     of the call is one `FusedPlan`."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin, plan, call):
+    def forward(ctx, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin, plan, call, sinks_H):
         tensors = (x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin)
         layer = _layer(plan, *tensors)
         reused = None if call is None else call.reused()
@@ -251,24 +271,25 @@ class _FusedUPipe(torch.autograd.Function):
             del reused
             y = _o_proj(layer, out_slices, _stage_ids(plan))
         else:
-            y, out_slices, lse_list = _forward(layer)
+            y, out_slices, lse_list = _forward(layer, sinks_H)
             if call is not None:  # a checkpoint's forward: kept for its recomputation
                 call.keep(out_slices + lse_list)
         del call
         # backward frees the stage outputs and lse stage by stage
-        save_for_backward(ctx, keep=tensors, free=out_slices + lse_list)
+        save_for_backward(ctx, keep=(*tensors, sinks_H), free=out_slices + lse_list)
         ctx.plan = plan
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        tensors, stashed = saved_for_backward(ctx)
+        (*tensors, sinks_H), stashed = saved_for_backward(ctx)
+        sinks_H = sinks_H if ctx.needs_input_grad[14] else None
         n = len(stashed) // 2
         out_slices, lse_list = stashed[:n], stashed[n:]
         del stashed
         layer = _layer(ctx.plan, *tensors)
-        grads = _backward(dy.contiguous(), layer, out_slices, lse_list)
-        return (*grads, None, None, None, None)
+        *grads, dsinks = _backward(dy.contiguous(), layer, out_slices, lse_list, sinks_H)
+        return (*grads, None, None, None, None, dsinks)
 
 
 def _layer(plan, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin) -> StagedLayer:
@@ -305,6 +326,7 @@ def fused_upipe_attention(
     overlap=None,
     docs=None,
     window=None,
+    sinks=None,
 ):
     """y = o_proj(UPipe(rope(q_proj(x)), rope(k_proj(x)), v_proj(x))) with everything staged.
 
@@ -323,7 +345,9 @@ def fused_upipe_attention(
     `default_overlap`). `docs`: validated document boundaries of the full sequence
     (`upipe.packing.check_cu_seqlens`; a tuple of ints) -- each stage's attention is then
     document-masked, forward and recomputed backward alike; None: one document. `window`:
-    a validated causal sliding window (`upipe.attention.window`), or None.
+    a validated causal sliding window (`upipe.attention.window`), or None. `sinks`: `[H]`
+    attention sinks (`upipe.attention.sinks`), or None; its gradient holds this rank's heads
+    (zeros elsewhere), like the weights' a share of the full gradient.
     Inputs are not validated here: `ContextParallelAttention` does that. Inside an
     activation checkpoint that keeps attention outputs, the forward keeps the stage outputs
     and lse and the recomputation reuses them (`upipe.attention.kept`).
@@ -341,5 +365,5 @@ def fused_upipe_attention(
     )
     call = kept.claim("fused_upipe", x, wq, wk, wv, wo)
     return _FusedUPipe.apply(
-        x, wq, wk, wv, wo, q_norm, k_norm, q_bias, k_bias, v_bias, cos, sin, plan, call
+        x, wq, wk, wv, wo, q_norm, k_norm, q_bias, k_bias, v_bias, cos, sin, plan, call, sinks
     )

@@ -35,6 +35,7 @@ from upipe.attention.common import (
 from upipe.attention.fused import fused_upipe_attention
 from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage, plan_schedule
+from upipe.attention.sinks import check_sinks
 from upipe.attention.usp import usp_attention
 from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
@@ -56,6 +57,11 @@ class ContextParallelAttention(nn.Module):
     `window`: a causal sliding window (token i sees keys i-window+1 .. i, as transformers'
     `sliding_window` on a "sliding_attention" layer; None: full attention), with work
     proportional to the window (`upipe.attention.window`).
+    `sinks`: attention sinks as gpt-oss (transformers' `GptOssAttention.sinks`): a parameter
+    `sinks` `[H]` (initialised to 0; in the layer's dtype) whose entry h is a logit added to
+    every row's softmax denominator of query head h (`upipe.attention.sinks`). Its gradient
+    on each rank is the rank's share (its heads, or on a ring its rows), like the weights':
+    the sum over the ranks is the full gradient.
     `overlap` (strategy "upipe"): start each next stage's all-to-alls while the current
     stage's attention runs (same results bit for bit; costs up to 8 stage buffers, 8U/H of
     one [B, L, H*d] tensor; `upipe.attention.fused`). None: on for CUDA inputs of at most
@@ -84,6 +90,7 @@ class ContextParallelAttention(nn.Module):
         causal: bool = True,
         backend: str | None = None,
         window: int | None = None,
+        sinks: bool = False,
         device=None,
         dtype=None,
     ):
@@ -152,6 +159,12 @@ class ContextParallelAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
+        if not isinstance(sinks, bool):
+            raise ValueError(
+                f"sinks must be a bool (a learned [num_heads] parameter), got {sinks!r}"
+            )
+        sink_param = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+        self.register_parameter("sinks", sink_param if sinks else None)
         # QK-norm (Qwen3): RMSNorm over each head's d features of q and k, before RoPE
         self.norm_eps = norm_eps
         self.q_norm = (
@@ -166,6 +179,7 @@ class ContextParallelAttention(nn.Module):
             f"strategy={self.strategy!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, heads_per_stage={self.heads_per_stage}, "
             + ("" if self.window is None else f"window={self.window}, ")
+            + ("" if self.sinks is None else "sinks=True, ")
             + f"group_size={torch.distributed.get_world_size(self.group)}"
             + ("" if self.mesh is None else f", ring={self.mesh['ring'].size()}")
         )
@@ -202,9 +216,11 @@ class ContextParallelAttention(nn.Module):
                 check_ring_layout(self.layout, C * x.shape[1], R, C)
             docs.check(R * C * x.shape[1])
             check_kernel(self.backend, x.device, x.dtype, self.head_dim)
+            check_sinks(self.sinks, self.num_heads, x.device)
 
         def signature():
             sig = {"x shape": tuple(x.shape), "dtype": str(x.dtype), "backend": self.backend}
+            sig["sinks"] = self.sinks is not None
             return {**sig, **docs.signature()}
 
         group, cohort = self.agree or (self.group, None)
@@ -265,6 +281,7 @@ class ContextParallelAttention(nn.Module):
                 overlap=self.overlap,
                 docs=docs,
                 window=self.window,
+                sinks=self.sinks,
             )
             return y if self.o_proj.bias is None else y + self.o_proj.bias
         B, L, _ = x.shape
@@ -275,6 +292,7 @@ class ContextParallelAttention(nn.Module):
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
         kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, window=self.window)
+        kw["sinks"] = self.sinks
         if self.mesh is None:
             op = get_strategy(self.strategy).op
             out = op(q, k, v, group=self.group, layout=self.layout, **kw)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from upipe import loops
-from upipe.attention import kept
+from upipe.attention import kept, sinks
 from upipe.attention.common import (
     DocumentsArg,
     check_layout,
@@ -208,26 +208,32 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, layout, docs, window, call):
+    def forward(ctx, q, k, v, group, causal, scale, backend, layout, docs, window, call, sinks_H):
         reused = None if call is None else call.reused()
         if reused is not None:  # a checkpoint's recomputation: the forward's out and lse
             out, lse = reused
         else:
             args = (group, causal, scale, backend, layout)
             out, lse = _forward(q, k, v, *args, docs=docs, window=window)
+            if sinks_H is not None:  # after the merge: out' (in place), lse'
+                lse = sinks.apply_(out, lse, sinks_H)
             if call is not None:
                 call.keep([out, lse])
         del call, reused
-        save_for_backward(ctx, keep=(q, k, v, out), free=(lse,))
+        save_for_backward(ctx, keep=(q, k, v, out, sinks_H), free=(lse,))
         ctx.args, ctx.masks = (group, causal, scale, backend, layout), (docs, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        keep, free = saved_for_backward(ctx)
+        (*keep, sinks_H), free = saved_for_backward(ctx)
         docs, window = ctx.masks
-        grads = _backward(dout.contiguous(), *keep, *free, *ctx.args, docs=docs, window=window)
-        return (*grads, None, None, None, None, None, None, None, None)
+        dout = dout.contiguous()
+        dsinks = None  # the rank's L rows of every head: a share of the full gradient
+        if sinks_H is not None and ctx.needs_input_grad[11]:
+            dsinks = sinks.grad(dout, keep[3], free[0], sinks_H).to(sinks_H.dtype)
+        grads = _backward(dout, *keep, *free, *ctx.args, docs=docs, window=window)
+        return (*grads, None, None, None, None, None, None, None, None, dsinks)
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
@@ -243,6 +249,7 @@ def ring_attention(
     layout="zigzag",
     cu_seqlens=None,
     window=None,
+    sinks=None,
 ):
     """Attention over a sequence sharded across `group` in `layout`, by ring exchange of K/V.
 
@@ -257,6 +264,9 @@ def ring_attention(
     a token attends only to tokens of its own document (documents.py); None: one document.
     `window`: a causal sliding window (token i sees keys i-window+1 .. i, `upipe.attention.
     window`); steps whose keys lie wholly outside it make no kernel call.
+    `sinks`: attention sinks `[H]` (gpt-oss, `upipe.attention.sinks`; applied after the
+    merge), differentiable, or None; each rank's gradient is its rows' share, the sum over
+    the ranks the full gradient.
     """
     docs = DocumentsArg(cu_seqlens)
     validate_qkv(
@@ -272,6 +282,7 @@ def ring_attention(
         extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
         extra_signature={"layout": layout, **docs.signature()},
         window=window,
+        sinks=sinks,
     )
     args = (group, causal, softmax_scale, backend, layout, docs.bounds, window)
-    return _RingAttention.apply(q, k, v, *args, kept.claim("ring", q, k, v))
+    return _RingAttention.apply(q, k, v, *args, kept.claim("ring", q, k, v), sinks)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from upipe.attention import kept, uneven
+from upipe.attention import kept, sinks, uneven
 from upipe.attention.common import (
     DocumentsArg,
     check_layout,
@@ -85,25 +85,32 @@ class _Exchanges:
         return acc_BLGd.to(t_BSkd.dtype)
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, ex, attn, reused=None):
+def _forward(q_BLHd, k_BLGd, v_BLGd, ex, attn, reused=None, sink_h=None):
     """`reused`: [out_BShd, lse] of an earlier forward (a checkpoint's), in place of the
-    kernel's."""
+    kernel's. `sink_h`: the rank's heads' sinks (`upipe.attention.sinks`), or None."""
     q_BShd = ex.q_to_head(q_BLHd)
     k_BSkd, v_BSkd = ex.kv_to_head(k_BLGd), ex.kv_to_head(v_BLGd)
-    out_BShd, lse_BhS = attn.forward(q_BShd, k_BSkd, v_BSkd) if reused is None else reused
+    if reused is not None:
+        out_BShd, lse_BhS = reused
+    else:
+        out_BShd, lse_BhS = attn.forward(q_BShd, k_BSkd, v_BSkd)
+        if sink_h is not None:  # out' and lse' (in place on out)
+            lse_BhS = sinks.apply_(out_BShd, lse_BhS, sink_h)
     return ex.q_to_seq(out_BShd), [q_BShd, k_BSkd, v_BSkd, out_BShd, lse_BhS]
 
 
-def _backward(dout_BLHd, saved, ex, attn, G):
-    """`saved` is a list this function empties, so each buffer dies as soon as it is used."""
+def _backward(dout_BLHd, saved, ex, attn, G, sink_h=None):
+    """`saved` is a list this function empties, so each buffer dies as soon as it is used.
+    With `sink_h` (the rank's heads' sinks) the last item is their gradient `[h]`."""
     dout_BShd = ex.q_to_head(dout_BLHd)
+    dsink_h = None if sink_h is None else sinks.grad(dout_BShd, saved[3], saved[4], sink_h)
     grads_BS = list(attn.backward(dout_BShd, *saved))
     saved.clear()
     del dout_BShd
     grads_BL = [ex.q_to_seq(grads_BS.pop(0))]
     while grads_BS:  # convert dk, dv one at a time, freeing each head-layout gradient
         grads_BL.append(ex.kv_to_seq(grads_BS.pop(0), G))
-    return grads_BL
+    return grads_BL, dsink_h
 
 
 class UlyssesFunction(torch.autograd.Function):
@@ -112,24 +119,38 @@ class UlyssesFunction(torch.autograd.Function):
     `split`: the uneven head split of this rank (`uneven.ulysses_split`), None when even;
     `attn` must then be the split's `SegmentedAttention` (`split_attention`). `call`: the
     op's `kept.Call` inside an activation checkpoint (its forward keeps out_BShd and lse,
-    its recomputation reuses them), else None."""
+    its recomputation reuses them), else None. `sinks_H`: `[H]` attention sinks
+    (`upipe.attention.sinks`), or None; its gradient holds this rank's heads' (zeros
+    elsewhere: summed over the ranks it is the full one)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ex, attn, split=None, call=None):
+    def forward(ctx, q, k, v, ex, attn, split=None, call=None, sinks_H=None):
         exs = _Exchanges(ex, split)
+        C, rank = dist.get_world_size(ex.group), dist.get_rank(ex.group)
+        heads = sinks.head_range(q.shape[2], C, rank, split)
+        sink_h = None if sinks_H is None else sinks_H.narrow(0, *heads)
         reused = None if call is None else call.reused()
-        out, saved = _forward(q, k, v, exs, attn, reused)
+        out, saved = _forward(q, k, v, exs, attn, reused, sink_h)
         if call is not None and reused is None:
-            call.keep(saved[3:])  # out_BShd, lse
+            call.keep(saved[3:])  # out_BShd, lse (with sinks: out', lse')
         del call, reused
-        save_for_backward(ctx, keep=(), free=saved)  # backward frees them one by one
-        ctx.args = (exs, attn, k.shape[2])
+        keep = () if sinks_H is None else (sinks_H,)
+        save_for_backward(ctx, keep=keep, free=saved)  # backward frees them one by one
+        ctx.args, ctx.heads = (exs, attn, k.shape[2]), heads
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        grads = _backward(dout.contiguous(), saved_for_backward(ctx)[1], *ctx.args)
-        return (*grads, None, None, None, None)
+        keep, saved = saved_for_backward(ctx)
+        sinks_H = keep[0] if keep and ctx.needs_input_grad[7] else None
+        sink_h = None if sinks_H is None else sinks_H.narrow(0, *ctx.heads)
+        grads, dsink_h = _backward(dout.contiguous(), saved, *ctx.args, sink_h)
+        dsinks_H = None
+        if dsink_h is not None:  # this rank's heads; zeros elsewhere
+            dsinks_H = sinks.zeros_like_sinks(sinks_H, dsink_h.dtype)
+            dsinks_H.narrow(0, *ctx.heads).copy_(dsink_h)
+            dsinks_H = dsinks_H.to(sinks_H.dtype)
+        return (*grads, None, None, None, None, dsinks_H)
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
@@ -145,6 +166,7 @@ def ulysses_attention(
     layout="contiguous",
     cu_seqlens=None,
     window=None,
+    sinks=None,
 ):
     """Attention over a sequence sharded across `group`.
 
@@ -162,6 +184,10 @@ def ulysses_attention(
     one document (plain attention, unchanged).
     `window`: a causal sliding window (token i sees keys i-window+1 .. i; None: none), with
     work proportional to it (`upipe.attention.window`).
+    `sinks`: attention sinks `[H]` (gpt-oss: one logit per query head added to every row's
+    softmax denominator, `upipe.attention.sinks`), differentiable; None: none. Its gradient
+    on each rank holds the rank's heads (zeros elsewhere): summed over the ranks, as the
+    trainer sums replicated parameters' gradients, it is the full gradient.
     """
     docs = DocumentsArg(cu_seqlens)
     validate_qkv(
@@ -177,8 +203,10 @@ def ulysses_attention(
         extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
         extra_signature={"layout": layout, **docs.signature()},
         window=window,
+        sinks=sinks,
     )
     ex = HeadExchange(group, layout)
     attn = StageAttention(causal, softmax_scale, backend, docs=docs.bounds, window=window)
     split, attn = split_attention(q.shape[2], k.shape[2], group, attn)
-    return UlyssesFunction.apply(q, k, v, ex, attn, split, kept.claim("ulysses", q, k, v))
+    call = kept.claim("ulysses", q, k, v)
+    return UlyssesFunction.apply(q, k, v, ex, attn, split, call, sinks)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from upipe.attention import kept
+from upipe.attention import kept, sinks
 from upipe.attention.common import (
     DocumentsArg,
     check_layout,
@@ -69,6 +69,27 @@ def accumulate(acc, t):
     return acc
 
 
+def _share(rnd, s, C, rank):
+    """(offset, count) of `rank`'s heads among stage s's U heads (rank-major)."""
+    counts = rnd.q_split(s) or (len(rnd.stages[s]) // C,) * C
+    return sum(counts[:rank]), counts[rank]
+
+
+def stage_sinks(sinks_H, rnd, s, C, rank):
+    """`rank`'s sink values `[u]` in stage s of `rnd`, in its q heads' order: the stage's
+    heads of the `[1, 1, H, 1]` view (`select_q`, as for q), then the rank's share."""
+    stage_U = select_q(sinks_H.view(1, 1, -1, 1), 2, rnd, s).flatten(2, 3).reshape(-1)
+    return stage_U.narrow(0, *_share(rnd, s, C, rank))
+
+
+def put_stage_sinks_(dsinks_H, rnd, s, C, rank, dsink_u):
+    """dsinks' entries of stage s's heads <- dsink_u for `rank`'s, zeros for the others'."""
+    offset, n = _share(rnd, s, C, rank)
+    buf_U = dsinks_H.new_zeros(sum(rnd.q_split(s) or (len(rnd.stages[s]),)))
+    buf_U.narrow(0, offset, n).copy_(dsink_u)
+    put_q(dsinks_H.view(1, 1, -1, 1), 2, rnd, s, buf_U.view(1, 1, -1, 1))
+
+
 def _q_heads(t_BLHd, rnd, s):
     """Stage s's query heads of t, as a new contiguous [B, L, U, d] tensor."""
     return select_q(t_BLHd, 2, rnd, s).flatten(2, 3).contiguous()
@@ -79,9 +100,10 @@ def _kv_heads(t_BLGd, rnd):
     return select_kv(t_BLGd, 2, rnd).contiguous()
 
 
-def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn):
+def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn, sinks_H=None):
     out_BLHd = torch.empty_like(q_BLHd)
     lse_list = []
+    C, rank = torch.distributed.get_world_size(ex.group), torch.distributed.get_rank(ex.group)
     for rnd in rounds:
         k_BSkd = to_head(ex, _kv_heads(k_BLGd, rnd), rnd.kv_split)
         v_BSkd = to_head(ex, _kv_heads(v_BLGd, rnd), rnd.kv_split)
@@ -89,14 +111,19 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn):
             q_BSud = to_head(ex, _q_heads(q_BLHd, rnd, s), rnd.q_split(s))
             out_BSud, lse_BuS = rnd.stage_attention(attn, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
+            if sinks_H is not None:  # out' (in place) and lse'
+                lse_BuS = sinks.apply_(out_BSud, lse_BuS, stage_sinks(sinks_H, rnd, s, C, rank))
             put_q(out_BLHd, 2, rnd, s, to_seq(ex, out_BSud, rnd.q_split(s)))
             lse_list.append(lse_BuS)
         del k_BSkd, v_BSkd
     return out_BLHd, lse_list
 
 
-def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex, attn):
+def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex, attn, sinks_H):
+    """(dq, dk, dv, d sinks: this rank's heads, zeros elsewhere; None without sinks)."""
     dq_BLHd = torch.empty_like(q_BLHd)
+    C, rank = torch.distributed.get_world_size(ex.group), torch.distributed.get_rank(ex.group)
+    dsinks_H = None if sinks_H is None else sinks.zeros_like_sinks(sinks_H, lse_list[0].dtype)
     # kv gradients: each kv head comes back once, unless it is replicated (G < C) or shared
     # by ranks of an uneven split: then its copies are summed, in fp32
     replicated = rounds[0].sums_kv
@@ -115,9 +142,15 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
                 to_head(ex, _q_heads(t, rnd, s), rnd.q_split(s))
                 for t in (q_BLHd, out_BLHd, dout_BLHd)
             )
+            lse_BuS = next(lse_iter)
+            if sinks_H is not None:
+                sink_u = stage_sinks(sinks_H, rnd, s, C, rank)
+                dsink_u = sinks.grad(dout_BSud, out_BSud, lse_BuS, sink_u)
+                put_stage_sinks_(dsinks_H, rnd, s, C, rank, dsink_u)
             dq_BSud, dk_BSkd, dv_BSkd = rnd.stage_attention(attn, s).backward(
-                dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, next(lse_iter)
+                dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_BuS
             )
+            del lse_BuS
             del q_BSud, out_BSud, dout_BSud
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
@@ -136,30 +169,34 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
             else:
                 put_kv(d_BLGd, 2, rnd, d_BLkd)
             del d_BLkd
-    return dq_BLHd, dk_BLGd.to(k_BLGd.dtype), dv_BLGd.to(v_BLGd.dtype)
+    dsinks = None if dsinks_H is None else dsinks_H.to(sinks_H.dtype)
+    return dq_BLHd, dk_BLGd.to(k_BLGd.dtype), dv_BLGd.to(v_BLGd.dtype), dsinks
 
 
 class _UPipeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rounds, ex, attn, call):
+    def forward(ctx, q, k, v, rounds, ex, attn, call, sinks_H):
         reused = None if call is None else call.reused()
         if reused is not None:  # a checkpoint's recomputation: the forward's out and lse
             out, lse_list = reused[0], reused[1:]
         else:
-            out, lse_list = _forward(q, k, v, rounds, ex, attn)
+            out, lse_list = _forward(q, k, v, rounds, ex, attn, sinks_H)
             if call is not None:
                 call.keep([out, *lse_list])
         del call, reused
-        ctx.save_for_backward(q, k, v, out)
+        ctx.save_for_backward(q, k, v, out, sinks_H)
         ctx.lse_list = lse_list
         ctx.args = (rounds, ex, attn)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out = ctx.saved_tensors
-        grads = _backward(dout.contiguous(), q, k, v, out, ctx.lse_list, *ctx.args)
-        return (*grads, None, None, None, None)
+        q, k, v, out, sinks_H = ctx.saved_tensors
+        sinks_H = sinks_H if ctx.needs_input_grad[7] else None
+        dq, dk, dv, dsinks = _backward(
+            dout.contiguous(), q, k, v, out, ctx.lse_list, *ctx.args, sinks_H
+        )
+        return dq, dk, dv, None, None, None, None, dsinks
 
 
 @torch.compiler.disable  # a clean graph break: see upipe.attention
@@ -177,6 +214,7 @@ def upipe_attention(
     layout=None,
     cu_seqlens=None,
     window=None,
+    sinks=None,
 ):
     """Ulysses attention in stages of `heads_per_stage` heads; same contract and result.
 
@@ -199,6 +237,10 @@ def upipe_attention(
     one document (plain attention, unchanged).
     `window`: a causal sliding window (token i sees keys i-window+1 .. i; None: none), with
     work proportional to it (`upipe.attention.window`).
+    `sinks`: attention sinks `[H]` (gpt-oss, `upipe.attention.sinks`; applied per stage,
+    after the stage's ring merge on a mesh), differentiable, or None. Each rank's gradient
+    holds its heads' share over its rows (zeros elsewhere); summed over the ranks, as the
+    trainer sums replicated parameters' gradients, it is the full gradient.
     """
     ulysses, ring_group, R, agree = resolve_groups(group, mesh)
     docs = DocumentsArg(cu_seqlens)
@@ -225,6 +267,7 @@ def upipe_attention(
         extra_signature={"heads_per_stage": heads_per_stage, "layout": layout, **docs.signature()},
         agree=agree,
         window=window,
+        sinks=sinks,
     )
     H, G, C = q.shape[2], k.shape[2], torch.distributed.get_world_size(ulysses)
     U = check_heads_per_stage(H, G, C, heads_per_stage)
@@ -238,4 +281,5 @@ def upipe_attention(
         attn = StageAttention(
             *kernel, ring_group, layout or "zigzag", docs=docs.bounds, window=window
         )
-    return _UPipeAttention.apply(q, k, v, rounds, ex, attn, kept.claim("upipe", q, k, v))
+    call = kept.claim("upipe", q, k, v)
+    return _UPipeAttention.apply(q, k, v, rounds, ex, attn, call, sinks)

@@ -48,6 +48,7 @@ def usp_attention(
     layout="zigzag",
     cu_seqlens=None,
     window=None,
+    sinks=None,
 ):
     """Attention over a sequence sharded across a 2-D mesh: Ulysses x ring.
 
@@ -65,6 +66,9 @@ def usp_attention(
     one document (plain attention, unchanged).
     `window`: a causal sliding window (token i sees keys i-window+1 .. i; None: none), with
     work proportional to it (`upipe.attention.window`).
+    `sinks`: attention sinks `[H]` (`upipe.attention.sinks`; applied after each ring's
+    merge), or None; each rank's gradient holds its heads' share over its rows, the sum
+    over the mesh's ranks is the full gradient.
     """
     check_mesh(mesh)
     ulysses, ring_group, R, agree = resolve_groups(None, mesh)
@@ -88,9 +92,10 @@ def usp_attention(
         extra_signature={"layout": layout, **docs.signature()},
         agree=agree,
         window=window,
+        sinks=sinks,
     )
     kernel = (causal, softmax_scale, backend, ring_group, layout)
     attn = StageAttention(*kernel, docs=docs.bounds, window=window)
     split, attn = split_attention(q.shape[2], k.shape[2], ulysses, attn)
     call = kept.claim("usp", q, k, v)
-    return UlyssesFunction.apply(q, k, v, HeadExchange(ulysses), attn, split, call)
+    return UlyssesFunction.apply(q, k, v, HeadExchange(ulysses), attn, split, call, sinks)

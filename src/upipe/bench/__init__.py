@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from upipe.bench.layer import UpipeLayer
+from upipe.bench.layer import UpipeLayer, result_names
 from upipe.bench.model import MODEL_METHODS
 from upipe.bench.peers import DEFAULT_METHODS, PEERS, Method, UpipeMethod, make_method
 from upipe.bench.run import TOLERANCE
@@ -72,6 +72,12 @@ class BenchConfig:
     """Benchmark upipe's strategies as the whole attention layer (ContextParallelAttention:
     projections, RoPE, attention, o_proj; x and weight gradients; `upipe.bench.layer`)
     instead of the attention op on q/k/v. The peers are ops and are skipped."""
+    window: int = 0
+    """--layer: the layer's causal sliding window (token i sees keys i-window+1 .. i, as
+    gpt-oss / Mistral sliding layers; `upipe.attention.window`); 0: full attention."""
+    sinks: bool = False
+    """--layer: the layer has attention sinks (gpt-oss: a learned logit per head in every
+    softmax denominator; `upipe.attention.sinks`), and their gradient is checked too."""
     model: bool = False
     """Benchmark a whole Hugging Face model's training step (`upipe.bench.model`): DeepSpeed
     ALST's attention against upipe's ulysses, upipe and the ALST drop-in, each also with
@@ -131,6 +137,12 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return f"--attention-kernel {cfg.attention_kernel} runs on CUDA (--device cuda)"
     if cfg.model:
         return _model_problem(cfg)
+    if cfg.window < 0:
+        return f"--window must be >= 0 (0: none), got {cfg.window}"
+    if (cfg.window or cfg.sinks) and not cfg.layer:
+        return "--window and --sinks are options of the layer: add --layer"
+    if cfg.window and not cfg.causal:
+        return "--window needs causal attention (sliding windows look back only)"
     for spec in cfg.methods:
         try:
             _method(cfg, spec, nproc)
@@ -173,7 +185,7 @@ def _method(cfg: BenchConfig, spec: str, nproc: int) -> Method:
     if cfg.layer and isinstance(m, UpipeMethod):
         shape = (cfg.heads, cfg.kv_heads, cfg.head_dim)
         kw = dict(shape=shape, seed=cfg.seed, causal=cfg.causal, backend=cfg.attention_kernel)
-        return UpipeLayer(m.kind, m.U, **kw)
+        return UpipeLayer(m.kind, m.U, **kw, window=cfg.window or None, sinks=cfg.sinks)
     return m
 
 
@@ -248,6 +260,8 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         seed=cfg.seed,
         methods=methods,
         layer=cfg.layer,
+        window=cfg.window or None,
+        sinks=cfg.sinks,
     )
     steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
     bar = tqdm(total=steps, disable=not lead or quiet, desc="upipe bench", unit="step")
@@ -271,10 +285,14 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     judge(rows, cfg.dtype, ref)
     header = (
         f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch_size} "
-        f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}; "
+        f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}"
+        + (f" window={cfg.window}" if cfg.window else "")
+        + (" sinks" if cfg.sinks else "")
+        + "; "
         f"peak = per-rank max of tensors allocated in fwd+bwd ([B,L,D] = one "
         f"[B, S/{nproc}, H*d] tensor); median of {cfg.repeats} interleaved rounds; max err = "
-        f"max|x - ref| / max|ref| over {', '.join(RESULTS['layer' if cfg.layer else 'op'])} "
+        f"max|x - ref| / max|ref| over "
+        f"{', '.join(result_names(cfg.sinks) if cfg.layer else RESULTS['op'])} "
         f"vs float64 (tolerance "
         f"{TOLERANCE[cfg.dtype]:.0e}); # = rank among correct methods"
     )

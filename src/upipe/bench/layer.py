@@ -13,6 +13,12 @@ the seed), so the reference is one process running the same function in float64:
 
 with the attention of `upipe.kernels` (float64, blockwise, no S x S matrix) and autograd
 for the rest. The peers are attention ops on q/k/v, not layers, so they do not take part.
+With `window` (a causal sliding window) the reference runs the window's tiled kernel calls
+(`upipe.attention.window`); with `sinks` (gpt-oss attention sinks, one logit per head, drawn
+from the seed) it applies them as every strategy does (`upipe.attention.sinks`), and the
+results gain the sinks' gradient "dsinks" (summed over the ranks). Those two helpers are
+tested against explicit fp64 masks and sink columns in tests/test_window.py and
+tests/test_sinks.py.
 """
 
 from __future__ import annotations
@@ -21,41 +27,56 @@ import torch
 import torch.distributed as dist
 
 import upipe
+from upipe.attention import sinks as sink_ops
+from upipe.attention.window import block_backward, block_forward
 from upipe.bench.peers import UpipeMethod
-from upipe.kernels import attention_backward, attention_forward
 from upipe.rope import apply_rope, rope_cos_sin
 
 RESULTS = ("y", "dx", "dWq", "dWk", "dWv", "dWo")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def layer_weights(seed: int, H: int, G: int, d: int) -> dict[str, torch.Tensor]:
+def result_names(sinks: bool) -> tuple[str, ...]:
+    """What a layer method returns: `RESULTS`, and "dsinks" with sinks."""
+    return (*RESULTS, "dsinks") if sinks else RESULTS
+
+
+def layer_weights(seed: int, H: int, G: int, d: int, sinks: bool = False) -> dict:
     """The layer's weights, fp32, the same on every rank: N(0, 1/D) entries, so that
-    activations keep unit scale."""
+    activations keep unit scale; with `sinks` also "sinks" `[H]`, N(0, 1) logits."""
     gen = torch.Generator().manual_seed(seed + 1)  # not the inputs' stream
     D = H * d
     shapes = {"q_proj": (H * d, D), "k_proj": (G * d, D), "v_proj": (G * d, D), "o_proj": (D, D)}
-    return {name: torch.randn(*shape, generator=gen) / D**0.5 for name, shape in shapes.items()}
+    w = {name: torch.randn(*shape, generator=gen) / D**0.5 for name, shape in shapes.items()}
+    if sinks:
+        w["sinks"] = torch.randn(H, generator=gen)
+    return w
 
 
 class _Attention64(torch.autograd.Function):
     """upipe.kernels' attention with its own backward (float64 reference)."""
 
     @staticmethod
-    def forward(ctx, q_BSHd, k_BSGd, v_BSGd, causal):
-        out_BSHd, lse = attention_forward(q_BSHd, k_BSGd, v_BSGd, causal=causal)
-        ctx.save_for_backward(q_BSHd, k_BSGd, v_BSGd, out_BSHd, lse)
-        ctx.causal = causal
+    def forward(ctx, q_BSHd, k_BSGd, v_BSGd, sinks_H, causal, window):
+        kw = dict(q0=0, k0=0, causal=causal, window=window, softmax_scale=None, backend=None)
+        out_BSHd, lse = block_forward(q_BSHd, k_BSGd, v_BSGd, **kw)
+        if sinks_H is not None:
+            lse = sink_ops.apply_(out_BSHd, lse, sinks_H)
+        ctx.save_for_backward(q_BSHd, k_BSGd, v_BSGd, out_BSHd, lse, sinks_H)
+        ctx.kw = kw
         return out_BSHd
 
     @staticmethod
     def backward(ctx, dout_BSHd):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*attention_backward(dout_BSHd, q, k, v, out, lse, causal=ctx.causal), None)
+        q, k, v, out, lse, sinks_H = ctx.saved_tensors
+        dsinks = None if sinks_H is None else sink_ops.grad(dout_BSHd, out, lse, sinks_H)
+        grads = block_backward(dout_BSHd, q, k, v, out, lse, **ctx.kw)
+        return (*grads, dsinks, None, None)
 
 
-def layer_reference(x_BSD, dy_BSD, weights, *, H: int, G: int, causal: bool):
-    """(y, dx, dWq, dWk, dWv, dWo) of the layer on the full sequence, in float64."""
+def layer_reference(x_BSD, dy_BSD, weights, *, H: int, G: int, causal: bool, window=None):
+    """(y, dx, dWq, dWk, dWv, dWo, and with weights["sinks"] dsinks) of the layer on the
+    full sequence, in float64; `window`: a causal sliding window, or None."""
     B, S, D = x_BSD.shape
     d = D // H
     x = x_BSD.double().requires_grad_()
@@ -64,10 +85,12 @@ def layer_reference(x_BSD, dy_BSD, weights, *, H: int, G: int, causal: bool):
     q_BSHd = apply_rope((x @ W["q_proj"].T).view(B, S, H, d), cos, sin)
     k_BSGd = apply_rope((x @ W["k_proj"].T).view(B, S, G, d), cos, sin)
     v_BSGd = (x @ W["v_proj"].T).view(B, S, G, d)
-    out_BSHd = _Attention64.apply(q_BSHd, k_BSGd, v_BSGd, causal)
+    sinks_H = W.get("sinks")
+    out_BSHd = _Attention64.apply(q_BSHd, k_BSGd, v_BSGd, sinks_H, causal, window)
     y_BSD = out_BSHd.flatten(2) @ W["o_proj"].T
     y_BSD.backward(dy_BSD.double())
-    return (y_BSD.detach(), x.grad, *(W[name].grad for name in _PROJECTIONS))
+    sink_grad = () if sinks_H is None else (sinks_H.grad,)
+    return (y_BSD.detach(), x.grad, *(W[name].grad for name in _PROJECTIONS), *sink_grad)
 
 
 class UpipeLayer(UpipeMethod):
@@ -75,10 +98,15 @@ class UpipeLayer(UpipeMethod):
 
     inputs = "layer"
 
-    def __init__(self, kind, U=None, *, shape, seed: int, causal: bool, backend=None):
+    def __init__(
+        self, kind, U=None, *, shape, seed: int, causal: bool, backend=None, window=None,
+        sinks=False,
+    ):  # fmt: skip
         super().__init__(kind, U, backend)
         self.name = f"layer:{self.name}"
         self.shape, self.seed, self.causal = shape, seed, causal
+        self.window, self.sinks = window, sinks
+        self.result_names = result_names(sinks)
 
     def problem(self, *, H, G, C, S, device):
         if self.spec.needs_ring_and_ulysses:
@@ -98,11 +126,14 @@ class UpipeLayer(UpipeMethod):
             heads_per_stage=self.U,
             causal=self.causal,
             backend=self.backend,
+            window=self.window,
+            sinks=self.sinks,
             device=device,
         )
         with torch.no_grad():
-            for name, w in layer_weights(self.seed, H, G, d).items():
-                getattr(self.layer, name).weight.copy_(w)
+            for name, w in layer_weights(self.seed, H, G, d, self.sinks).items():
+                p = getattr(self.layer, name)
+                (p if name == "sinks" else p.weight).copy_(w)
         self.dtype = None
 
     def leaves(self, local):
@@ -123,6 +154,10 @@ class UpipeLayer(UpipeMethod):
         grads = []
         for name in _PROJECTIONS:
             g = getattr(self.layer, name).weight.grad.clone()
+            dist.all_reduce(g, group=self.group)
+            grads.append(g)
+        if self.sinks:  # each rank's share (its heads, or its rows on a ring), summed
+            g = self.layer.sinks.grad.clone()
             dist.all_reduce(g, group=self.group)
             grads.append(g)
         return [self.unshard(out.detach()), self.unshard(leaves[0].grad), *grads]

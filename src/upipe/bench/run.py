@@ -84,10 +84,13 @@ def step_setup(rank, world_size, methods: list[Method], device: str) -> dict[str
     return failed
 
 
-def step_inputs(rank, world_size, shape: dict, seed: int, dtype: str, device: str, causal, layer):
+def step_inputs(
+    rank, world_size, shape: dict, seed: int, dtype: str, device: str, causal, layer,
+    window=None, sinks=False,
+):  # fmt: skip
     """Draw this sequence length's full inputs (same on every rank): q, k, v, dout, or with
-    `layer` x and dy `[B, S, H*d]`; rank 0 also computes the float64 reference. Returns
-    nothing."""
+    `layer` x and dy `[B, S, H*d]` (the layer with a sliding `window` and `sinks`, if given);
+    rank 0 also computes the float64 reference. Returns nothing."""
     dev = _device(rank, device)
     gen = torch.Generator().manual_seed(seed)
     B, S, H, G, d = (shape[k] for k in "BSHGd")
@@ -102,8 +105,10 @@ def step_inputs(rank, world_size, shape: dict, seed: int, dtype: str, device: st
         torch.set_num_threads(max(threads, world_size))  # the other ranks wait meanwhile
         full64 = [t.cpu().double() for t in _STATE["full"]]
         if layer:
-            weights = layer_weights(seed, H, G, d)
-            _STATE["reference"] = layer_reference(*full64, weights, H=H, G=G, causal=causal)
+            weights = layer_weights(seed, H, G, d, sinks)
+            _STATE["reference"] = layer_reference(
+                *full64, weights, H=H, G=G, causal=causal, window=window
+            )
         else:
             q64, k64, v64, do64 = full64
             out64, lse = attention_forward(q64, k64, v64, causal=causal)
@@ -154,7 +159,9 @@ def step_measure(rank, world_size, name: str, causal: bool) -> dict:
         return {}
     errors = {
         key: ((got.cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-        for key, got, ref in zip(RESULTS[m.inputs], results, _STATE["reference"], strict=True)
+        for key, got, ref in zip(
+            getattr(m, "result_names", RESULTS[m.inputs]), results, _STATE["reference"], strict=True
+        )
     }
     return {"peak_bytes_per_rank": peaks, "rel_err": errors}
 
@@ -204,6 +211,10 @@ class Plan:
     seed: int
     methods: list[Method]
     layer: bool = False
+    window: int | None = None
+    """--layer: the layer's causal sliding window (None: none)"""
+    sinks: bool = False
+    """--layer: the layer has attention sinks"""
 
 
 def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
@@ -220,7 +231,8 @@ def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
     rows = []
     for S in plan.seq_lens:
         shape = {"B": plan.B, "S": S, "H": plan.H, "G": plan.G, "d": plan.d}
-        run(step_inputs, shape, plan.seed, plan.dtype, plan.device, plan.causal, plan.layer)
+        inputs = (plan.seed, plan.dtype, plan.device, plan.causal, plan.layer)
+        run(step_inputs, shape, *inputs, plan.window, plan.sinks)
         tick(f"S={S}: reference")
         measured = {}
         for name in list(names):
