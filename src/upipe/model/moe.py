@@ -106,11 +106,13 @@ grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_groupe
 
 
 def route(logits_NE: torch.Tensor, k: int, weights: str):
-    """(p [N, E] fp32, expert ids [N, K], weights [N, K] fp32) of the module doc's routing."""
-    probs_NE = torch.softmax(logits_NE.float(), dim=-1)
+    """(p [N, E], expert ids [N, K], weights [N, K]) of the module doc's routing, p and the
+    weights in fp32 (fp64 for fp64 logits)."""
+    acc = torch.promote_types(logits_NE.dtype, torch.float32)
+    probs_NE = torch.softmax(logits_NE.to(acc), dim=-1)
     if weights == "topk_softmax":
         top_NK, idx_NK = logits_NE.topk(k, dim=-1)
-        return probs_NE, idx_NK, torch.softmax(top_NK.float(), dim=-1)
+        return probs_NE, idx_NK, torch.softmax(top_NK.to(acc), dim=-1)
     w_NK, idx_NK = probs_NE.topk(k, dim=-1)
     if weights == "softmax_renorm":
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
@@ -140,6 +142,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
     def forward(self, x_ND, idx_NK, w_NK):
+        """sum_j w_nj down_e(silu(gate_e x_n) * up_e x_n), e = idx_nj. The weight scales the
+        hidden activation before down_proj (linear: the same function), so that its gradient
+        needs the saved [M, F] product silu * up, not the [M, D] output of down_proj (less
+        for experts narrower than the model, F < D, as in Qwen3-MoE and DeepSeek)."""
         (N, K), E = idx_NK.shape, self.gate_up_proj.shape[0]
         e_M = idx_NK.reshape(-1)
         order_M = torch.argsort(e_M, stable=True)  # sorted row -> its (token, slot) pair
@@ -148,11 +154,13 @@ class Experts(nn.Module):
         ends_E = ends_E.cumsum(0)
         x_MD = x_ND.index_select(0, order_M // K)
         gate_MF, up_MF = grouped_linear(x_MD, self.gate_up_proj, ends_E).chunk(2, dim=-1)
-        h_MF = F.silu(gate_MF) * up_MF
+        w_M1 = w_NK.reshape(-1).index_select(0, order_M).to(x_ND.dtype).unsqueeze(1)
+        h_MF = F.silu(gate_MF) * up_MF * w_M1
         del x_MD, gate_MF, up_MF
         y_MD = grouped_linear(h_MF, self.down_proj, ends_E)
-        y_NKD = y_MD.new_empty(N * K, y_MD.shape[1]).index_copy(0, order_M, y_MD)
-        return (w_NK.to(y_MD.dtype).unsqueeze(1) @ y_NKD.view(N, K, -1)).squeeze(1)
+        arange_M = torch.arange(order_M.numel(), device=order_M.device)
+        rank_M = torch.empty_like(order_M).scatter_(0, order_M, arange_M)  # pair -> its row
+        return y_MD.index_select(0, rank_M).view(N, K, -1).sum(1)  # in token order
 
 
 class RouterStats:
@@ -187,7 +195,7 @@ class RouterStats:
         c_lE, psum_lE = self.sums[:, :E], self.sums[:, E : 2 * E]
         n_l1 = self.sums[:, 2 * E :].clamp_min(1.0)  # no token with a label: aux = 0
         self.aux_l = E * (c_lE * psum_lE).sum(1) / n_l1.squeeze(1) ** 2
-        self.grad_lE = (self.weight * E * c_lE / n_l1**2).float()  # d aux_l / d psum_le
+        self.grad_lE = self.weight * E * c_lE / n_l1**2  # d aux_l / d psum_le (fp64)
         self.open = False
         return self.aux_l.mean().float()
 
@@ -198,13 +206,13 @@ class _BalanceGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_ND, psum_E, stats, block):
-        ctx.stats, ctx.block = stats, block
+        ctx.stats, ctx.block, ctx.dtype = stats, block, psum_E.dtype
         return y_ND.view_as(y_ND)
 
     @staticmethod
     def backward(ctx, dy_ND):
         assert not ctx.stats.open, "a model call's backward ran before its forward finished"
-        return dy_ND, ctx.stats.grad_lE[ctx.block], None, None
+        return dy_ND, ctx.stats.grad_lE[ctx.block].to(ctx.dtype), None, None
 
 
 class MoE(nn.Module):
