@@ -29,12 +29,17 @@ from upipe.model.offload import Offloader
 from upipe.torch_private import selective_saved_tensor_hooks
 
 
-def _tiled(fn, x_BLD: torch.Tensor, tile: int) -> torch.Tensor:
-    """y[:, s:s+T] = fn(x[:, s:s+T]), one tile's intermediates alive at a time, written into
-    an output allocated once."""
+def _rows(token_args: tuple, s: int, tile: int) -> tuple:
+    """The tile [s, s + tile) of each per-token argument `[B, L, ...]` (None stays None)."""
+    return tuple(None if a is None else a[:, s : s + tile] for a in token_args)
+
+
+def _tiled(fn, x_BLD: torch.Tensor, tile: int, token_args: tuple = ()) -> torch.Tensor:
+    """y[:, s:s+T] = fn(x[:, s:s+T], *token_args[:, s:s+T]), one tile's intermediates alive
+    at a time, written into an output allocated once."""
     y_BLD = None
     for s in loops.tile_starts(x_BLD.shape[1], tile):
-        y_BTD = fn(x_BLD[:, s : s + tile])
+        y_BTD = fn(x_BLD[:, s : s + tile], *_rows(token_args, s, tile))
         if y_BLD is None:
             y_BLD = y_BTD.new_empty(*x_BLD.shape[:2], *y_BTD.shape[2:])
         y_BLD[:, s : s + tile] = y_BTD
@@ -61,10 +66,10 @@ class _TiledRecompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_BLD, fn, tile, residual):
-        ctx.fn, ctx.tile, ctx.residual = fn, tile, residual
+    def forward(ctx, x_BLD, fn, tile, residual, token_args):
+        ctx.fn, ctx.tile, ctx.residual, ctx.token_args = fn, tile, residual, token_args
         ctx.save_for_backward(x_BLD)
-        y_BLD = _tiled(fn, x_BLD, tile)
+        y_BLD = _tiled(fn, x_BLD, tile, token_args)
         return y_BLD.add_(x_BLD) if residual else y_BLD
 
     @staticmethod
@@ -79,29 +84,34 @@ class _TiledRecompute(torch.autograd.Function):
         for s in loops.tile_starts(x_BLD.shape[1], ctx.tile):
             x_BTD = x_BLD[:, s : s + ctx.tile].detach().requires_grad_()
             with torch.enable_grad():
-                y_BTD = ctx.fn(x_BTD)
+                y_BTD = ctx.fn(x_BTD, *_rows(ctx.token_args, s, ctx.tile))
             torch.autograd.backward(y_BTD, dy_BLD[:, s : s + ctx.tile])
             if ctx.residual:  # dy_T (read above) becomes dy_T + J^T dy_T, in place
                 dx_BLD[:, s : s + ctx.tile] += x_BTD.grad
             else:
                 dx_BLD[:, s : s + ctx.tile] = x_BTD.grad
             del x_BTD, y_BTD
-        return dx_BLD, None, None, None
+        return dx_BLD, None, None, None, None
 
 
-def tiled_recompute(fn, x_BLD: torch.Tensor, tile_tokens: int, *, residual: bool = False):
+def tiled_recompute(
+    fn, x_BLD: torch.Tensor, tile_tokens: int, *, residual: bool = False, token_args=()
+):
     """`fn(x)` for a position-wise `fn` (an MLP with the norm before it), computed and
     recomputed in sequence tiles of `tile_tokens`; `residual`: `x + fn(x)`, its backward
     writing dx into the incoming gradient (see `_TiledRecompute`). A sequence of one tile
-    runs plainly; without grad it simply runs tile by tile."""
+    runs plainly; without grad it simply runs tile by tile. `token_args`: per-token
+    tensors `[B, L, ...]` (or None) that `fn` takes after x, each sliced to the tile (not
+    differentiated: the MoE router's mask of the tokens that count in its balance)."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
+    token_args = tuple(token_args)
     if x_BLD.shape[1] <= tile_tokens:
-        return x_BLD + fn(x_BLD) if residual else fn(x_BLD)
+        return x_BLD + fn(x_BLD, *token_args) if residual else fn(x_BLD, *token_args)
     if not (torch.is_grad_enabled() and x_BLD.requires_grad):  # e.g. a checkpointed forward
-        y_BLD = _tiled(fn, x_BLD, tile_tokens)
+        y_BLD = _tiled(fn, x_BLD, tile_tokens, token_args)
         return y_BLD.add_(x_BLD) if residual else y_BLD
-    return _TiledRecompute.apply(x_BLD, fn, tile_tokens, residual)
+    return _TiledRecompute.apply(x_BLD, fn, tile_tokens, residual, token_args)
 
 
 ATTENTION_OUTPUTS = ("recompute", "keep", "offload")

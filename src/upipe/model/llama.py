@@ -1,4 +1,5 @@
-"""A Llama-3 / Qwen3-style decoder: RMSNorm, RoPE, SwiGLU MLP, GQA, optional QK-norm.
+"""A Llama-3 / Qwen3-style decoder: RMSNorm, RoPE, SwiGLU MLP, GQA, optional QK-norm; with
+`n_experts` a mixture-of-experts MLP in every block (`upipe.model.moe`, as Qwen3-MoE).
 
 Legend: B batch, L tokens this process holds, D width, H query heads, G kv heads, d head
 dim, F MLP width, V vocabulary.
@@ -14,6 +15,11 @@ Memory features (settable attributes, off by default, none changes the math):
 `CausalLM.recompute_blocks` (blocks per checkpoint; + `offload`, an
 `upipe.model.offload.Offloader`, and `attention_outputs`), `MLP.tile_tokens`,
 `CausalLM.loss_chunk_tokens`.
+
+MoE: each call of the model collects its routing sums in one `moe.RouterStats` (tile by
+tile, with the tiled MLP), sums them over the ranks holding the other tokens of the
+sequence (`CausalLM.router_stats_reduce`) after the last block, and back-propagates the
+load-balancing loss from there (`CausalLM.aux_loss_scale`, `CausalLM.router_aux_loss`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from upipe.loss import cross_entropy_sum
+from upipe.loss import IGNORE_INDEX, cross_entropy_sum
 from upipe.model.config import ModelConfig
 from upipe.model.features import activation_checkpoint, tiled_recompute
+from upipe.model.moe import MoE, RouterStats
 from upipe.model.offload import Offloader
 from upipe.packing import check_cu_seqlens
 from upipe.rope import apply_rope, rope_cos_sin
@@ -138,20 +145,28 @@ class Block(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(
-        self, x_BLD: torch.Tensor, position_ids_BL: torch.Tensor, cu_seqlens=None
+        self,
+        x_BLD: torch.Tensor,
+        position_ids_BL: torch.Tensor,
+        cu_seqlens=None,
+        router_mask_BL: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`router_mask_BL` (MoE only): the tokens that count in the router's balance."""
         # cu_seqlens only when given: an attention module swapped in needs not know it
         kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         h_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), position_ids_BL, **kw)
+        rows = (router_mask_BL,) if isinstance(self.mlp, MoE) else ()
         if self.mlp.tile_tokens is None:
-            return h_BLD + self.mlp(self.post_attention_layernorm(h_BLD))
-        return tiled_recompute(self._mlp_rows, h_BLD, self.mlp.tile_tokens, residual=True)
+            return h_BLD + self._mlp_rows(h_BLD, *rows)
+        return tiled_recompute(
+            self._mlp_rows, h_BLD, self.mlp.tile_tokens, residual=True, token_args=rows
+        )
 
-    def _mlp_rows(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(h_BTD))
+    def _mlp_rows(self, h_BTD: torch.Tensor, *rows) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h_BTD), *rows)
 
 
 class Decoder(nn.Module):
@@ -162,6 +177,9 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, cfg.layer_window(i)) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        if cfg.n_experts:
+            for i, block in enumerate(self.layers):  # each MoE block's row in RouterStats
+                block.mlp.block = i
 
 
 class CausalLM(nn.Module):
@@ -187,6 +205,20 @@ class CausalLM(nn.Module):
         attention layer's forward outputs in its recomputation, which then runs no attention
         kernel (`features.activation_checkpoint`); "recompute" calls it again."""
         self.loss_chunk_tokens: int | None = None
+        self.router_stats_reduce = None
+        """MoE: a function summing a tensor in place over the processes that hold the other
+        tokens of the same sequences (the context-parallel group; set by
+        `upipe.train.parallelize`), so that the balance is that of whole sequences; None:
+        this process holds whole sequences."""
+        self.aux_loss_scale: float = 1.0
+        """MoE: the factor of this call's balance loss in the objective being
+        back-propagated: its gradient is that of `aux_loss_scale * router_aux_loss_coef *
+        router_aux_loss` (the trainer sets 1 / the model calls of an optimizer step on all
+        data-parallel ranks: the objective's balance term is the mean over its calls)."""
+        self.router_aux_loss: torch.Tensor | None = None
+        """MoE: the balance loss of the last call (module `moe`: the mean over the blocks
+        of E sum_e f_e P_e, over the whole sequence; fp32 0-d, no gradient), the same on
+        every rank of the sequence; None for a dense model."""
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -215,17 +247,37 @@ class CausalLM(nn.Module):
         *,
         cu_seqlens=None,
         final_norm: bool = True,
+        router_mask_BL: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The last block's output, through the final norm unless `final_norm` is False."""
+        """The last block's output, through the final norm unless `final_norm` is False.
+        `router_mask_BL` (MoE): the tokens that count in the balance loss (None: all)."""
         norm = self.model.norm if final_norm else torch.nn.Identity()
         if isinstance(cu_seqlens, torch.Tensor):  # read once here, not once per layer
             cu_seqlens = tuple(cu_seqlens.tolist()) if cu_seqlens.dim() == 1 else cu_seqlens
         h_BLD = self.model.embed_tokens(input_ids_BL)
         args = (position_ids_BL, cu_seqlens)
+        if self.config.n_experts:
+            args += (router_mask_BL,)
+            stats = self._start_router_stats(h_BLD.device)
+        h_BLD = self._blocks(h_BLD, args)
+        if self.config.n_experts:
+            self.router_aux_loss = stats.finish(self.router_stats_reduce)
+        return norm(h_BLD)
+
+    def _start_router_stats(self, device) -> RouterStats:
+        """A fresh `RouterStats` for this call, handed to every MoE block."""
+        cfg = self.config
+        weight = cfg.router_aux_loss_coef * self.aux_loss_scale / cfg.n_layers
+        stats = RouterStats(cfg.n_layers, cfg.n_experts, weight, device)
+        for block in self.model.layers:
+            block.mlp.stats = stats
+        return stats
+
+    def _blocks(self, h_BLD: torch.Tensor, args: tuple) -> torch.Tensor:
         if not self.recompute_blocks:
             for block in self.model.layers:
                 h_BLD = block(h_BLD, *args)
-            return norm(h_BLD)
+            return h_BLD
         m, blocks = int(self.recompute_blocks), list(self.model.layers)
         for j, start in enumerate(range(0, len(blocks), m)):  # checkpoint j: m blocks
             offload = (
@@ -239,7 +291,7 @@ class CausalLM(nn.Module):
                 index=j,
                 attention_outputs=self.attention_outputs,
             )
-        return norm(h_BLD)
+        return h_BLD
 
     def forward(self, input_ids_BL, position_ids_BL, labels_BL=None, *, cu_seqlens=None):
         """`cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full (unsharded)
@@ -248,11 +300,15 @@ class CausalLM(nn.Module):
         tensor is read to the host once per call (one sync); a CPU tensor or ints: none."""
         if labels_BL is None:
             return self.lm_head(self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens))
+        # MoE: the router's balance counts the tokens the loss counts (not the padding)
+        kw = dict(cu_seqlens=cu_seqlens)
+        if self.config.n_experts:
+            kw["router_mask_BL"] = labels_BL != IGNORE_INDEX
         if self.loss_chunk_tokens is None:
-            h_BLD = self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens)
+            h_BLD = self.hidden(input_ids_BL, position_ids_BL, **kw)
             return cross_entropy_sum(h_BLD, self.lm_head.weight, labels_BL)
         # chunked: the final norm runs inside the loss's chunks (no normalised [B, L, D])
-        h_BLD = self.hidden(input_ids_BL, position_ids_BL, cu_seqlens=cu_seqlens, final_norm=False)
+        h_BLD = self.hidden(input_ids_BL, position_ids_BL, final_norm=False, **kw)
         return cross_entropy_sum(
             h_BLD,
             self.lm_head.weight,

@@ -4,10 +4,12 @@ Counting (`count_step`). One rank's step runs under `upipe.planner.step.StepSimu
 (the code of `upipe train` under fake tensors) with three dispatch modes on top:
 - `_Counter`: FLOPs by the formulas of `torch.utils.flop_counter` (`flop_registry`), with
   formulas for the ops it does not know: the CPU flash-attention kernel that stands in for
-  CUDA's (`_FLOPS`: torch's own SDPA formulas, halved for a causal call) and the in-place
-  `addmm_` (the chunked loss's dW); bytes copied between device and host (the offload
-  arena lives on `step.HOST_DEVICE` in the simulation), bytes of ops that run on host
-  tensors, and the bytes every other (memory-bound) op on the device reads and writes;
+  CUDA's (`_FLOPS`: torch's own SDPA formulas, halved for a causal call), the in-place
+  `addmm_` (the chunked loss's dW) and the MoE experts' grouped GEMMs (2 M O I for M = N K
+  routed rows: a token costs its K experts, not all E); bytes copied between device and
+  host (the offload arena lives on `step.HOST_DEVICE` in the simulation), bytes of ops that
+  run on host tensors, and the bytes every other (memory-bound) op on the device reads and
+  writes;
 - `upipe.memory.simulate.CollectiveLog`: every collective's op, bytes and group;
 - the out_dtype GEMMs of the fused UPipe op, which the simulation's CUDA stand-in
   (`step._cuda_addmm_acc_`) runs without dispatching any op: 2 N K M each.
@@ -68,6 +70,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from upipe.memory.simulate import CollectiveLog
 from upipe.memory.tracker import _plain_tensors
+from upipe.model import moe  # noqa: F401  (registers torch.ops.upipe.grouped_linear)
 from upipe.planner import step as step_module
 from upipe.planner.hardware import (  # noqa: F401  (the presets, also reached from here)
     A100,
@@ -113,7 +116,25 @@ def _addmm_(acc, a, b, **_):
     return 2 * a[0] * a[1] * b[1]
 
 
-_FLOPS = {_ATTN_FWD: _attention_forward, _ATTN_BWD: _attention_backward, _aten.addmm_: _addmm_}
+def _grouped_linear(x, w, ends, **_):
+    """The MoE experts' grouped GEMM (`upipe.model.moe.grouped_linear`): every one of the M
+    routed rows times its expert's [O, I] matrix, 2 M O I -- K experts' worth per token,
+    not E."""
+    return 2 * x[0] * w[1] * w[2]
+
+
+def _grouped_linear_weight_grad(dy, x, ends, **_):
+    """Its weight gradient: dw[e] = dy_e^T x_e summed over the segments, 2 M O I."""
+    return 2 * dy[0] * dy[1] * x[1]
+
+
+_FLOPS = {
+    _ATTN_FWD: _attention_forward,
+    _ATTN_BWD: _attention_backward,
+    _aten.addmm_: _addmm_,
+    torch.ops.upipe.grouped_linear: _grouped_linear,
+    torch.ops.upipe.grouped_linear_weight_grad: _grouped_linear_weight_grad,
+}
 _CATEGORY = {_ATTN_FWD: "attention_forward_flops", _ATTN_BWD: "attention_backward_flops"}
 _FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in _FLOPS.items()}}
 

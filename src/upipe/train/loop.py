@@ -171,6 +171,8 @@ class Trainer:
         self.schedule = LRSchedule(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self._positions = {}
+        self.router_aux_loss: float | None = None
+        """MoE: the balance loss of the last step (`forward_backward`); None if dense."""
 
     def padded(self, seq_len: int) -> int:
         """`seq_len` padded to what the layout splits evenly (`padded_length`)."""
@@ -229,19 +231,36 @@ class Trainer:
     def forward_backward(self, step: int) -> float:
         """Loss of optimizer step `step`: the mean over every valid token of all its
         micro-batches on all ranks (the same on every rank). The gradients of that mean,
-        summed over ranks, are in the masters' `.grad` (in the master dtype)."""
+        summed over ranks, are in the masters' `.grad` (in the master dtype).
+
+        MoE: the objective is that loss + coef x the balance loss, the mean over the step's
+        model calls on all data-parallel ranks of each call's balance loss over its whole
+        sequences (`CausalLM.router_aux_loss`; `aux_loss_scale` = 1 / the number of calls,
+        so a data-parallel run equals one process taking all the calls). The balance loss
+        itself (not times coef) is `router_aux_loss` after the step."""
         calls = [call for i in self.micro_batches(step) for call in self.batch(i)]
         count = global_count(sum(count_valid(labels) for _, labels, _, _ in calls))
-        losses = []
+        moe = bool(self.model.config.n_experts)
+        if moe:  # each call's share of the mean over the calls of every data-parallel rank
+            self.model.aux_loss_scale = 1.0 / (len(calls) * self.dp)
+        losses, aux = [], []
         for ids, labels, pos, cu_seqlens in calls:
             loss_sum = self.model(ids, pos, labels, cu_seqlens=cu_seqlens)
             loss = global_token_mean(loss_sum, count_valid(labels), total_count=count)
             loss.backward()
             losses.append(loss.detach())
+            if moe:
+                aux.append(self.model.router_aux_loss)
         if not self.cfg.fsdp:
             allreduce_gradients(self.master)
+        if moe:  # the same on the C ranks of a sequence: sum over all, / (C x calls x dp)
+            aux_sum = torch.stack(aux).double().sum()
+            dist.all_reduce(aux_sum)
+            losses.append(aux_sum / (len(calls) * dist.get_world_size()))
         # one host read per step (not one per call: each would wait for the GPU)
-        return sum(torch.stack(losses).double().tolist())
+        values = torch.stack(losses).double().tolist()
+        self.router_aux_loss = values.pop() if moe else None
+        return sum(values)
 
     def clip_gradients(self) -> torch.Tensor:
         """The global norm of the masters' gradients (0-d, before clipping), and clip them to
@@ -367,6 +386,7 @@ class Trainer:
             peak = persistent + mem.peak_bytes
         return {
             "loss": loss,
+            "router_aux_loss": self.router_aux_loss,
             "grad_norm": grad_norm,
             "skipped": skipped,
             "seconds": time.perf_counter() - t0,
@@ -530,6 +550,8 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
         }
         if cfg.fsdp_offload:
             row["host_state_bytes"] = max(host for _, host in memory)
+        if m["router_aux_loss"] is not None and not m["skipped"]:
+            row["router_aux_loss"] = m["router_aux_loss"]
         if m["skipped"]:
             row["skipped"] = m["skipped"]
         last = step + 1 == cfg.steps
@@ -546,7 +568,8 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
             if cfg.metrics_file:
                 append_metrics(cfg.metrics_file, row)
             if writer is not None:
-                for key in ("loss", "eval_loss", "lr", "tokens_per_s", "peak_memory_bytes"):
+                keys = ("loss", "router_aux_loss", "eval_loss", "lr", "tokens_per_s")
+                for key in (*keys, "peak_memory_bytes"):
                     if row.get(key) is not None:
                         writer.add_scalar(f"train/{key}", row[key], step + 1)
         every = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0

@@ -70,8 +70,12 @@ def parallelize(
     model: CausalLM, cp: ContextParallel, *, heads_per_stage: int | None = None, backend=None
 ) -> CausalLM:
     """Replace every block's `Attention` by a `ContextParallelAttention` of `cp.strategy`
-    holding the *same* parameter objects (nothing is copied). Returns `model`."""
+    holding the *same* parameter objects (nothing is copied), and give an MoE model the sum
+    over the context-parallel group of its routing statistics (`router_stats_reduce`).
+    Returns `model`."""
     spec = get_strategy(cp.strategy)
+    if model.config.n_experts:
+        model.router_stats_reduce = sequence_sum(cp)
     if spec.module is None:
         return model
     for block in model.model.layers:
@@ -98,6 +102,24 @@ def parallelize(
             setattr(new, name, child)  # the same Linear / RMSNorm modules, same parameters
         block.self_attn = new
     return model
+
+
+def sequence_sum(cp: ContextParallel):
+    """A function summing a tensor in place over the ranks that hold the parts of the same
+    sequences (None for C = 1): one all-reduce over the group, or on a (ring, ulysses) mesh
+    one over each dimension in turn -- the sum over the grid, the same on every rank (every
+    ulysses group adds the same ring sums in the same order), without a flattened group."""
+    if cp.size == 1:
+        return None
+    groups = (
+        [cp.group] if cp.mesh is None else [cp.mesh[d].get_group() for d in ("ring", "ulysses")]
+    )
+
+    def reduce(t: torch.Tensor) -> None:
+        for group in groups:
+            dist.all_reduce(t, group=group)
+
+    return reduce
 
 
 @dataclasses.dataclass(kw_only=True)
