@@ -283,3 +283,26 @@ def test_simulated_peak_equals_real_run(clusters):
     dispatch indices) against a real 2-rank step."""
     cfg = small_config(model="tiny-moe", strategy="upipe", nproc=2)
     assert_simulated_peak_equals_real(clusters, cfg)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"model": "tiny", "router_aux_loss_coef": 0.1}, "--router-aux-loss-coef weighs"),
+        ({"model": "tiny-moe", "save_hf": "out"}, "--save-hf: tiny-moe is a mixture-of-experts"),
+    ],
+)
+def test_train_options_an_moe_model_cannot_take(kw, message):
+    from upipe.train.config import validate
+
+    assert message in validate(small_config(**kw), 2)
+
+
+def test_aux_coef_option_replaces_the_presets():
+    from upipe.model.hf_checkpoint import hf_config
+    from upipe.train.config import model_config, validate
+
+    cfg = small_config(model="tiny-moe", router_aux_loss_coef=0.5)
+    assert validate(cfg, 2) is None and model_config(cfg).router_aux_loss_coef == 0.5
+    with pytest.raises(ValueError, match="no Hugging Face conversion"):
+        hf_config(TINY_MOE, dtype=torch.float32)
