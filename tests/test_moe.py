@@ -283,3 +283,50 @@ def test_simulated_peak_equals_real_run(clusters):
     dispatch indices) against a real 2-rank step."""
     cfg = small_config(model="tiny-moe", strategy="upipe", nproc=2)
     assert_simulated_peak_equals_real(clusters, cfg)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"model": "tiny", "router_aux_loss_coef": 0.1}, "--router-aux-loss-coef weighs"),
+        ({"model": "tiny-moe", "save_hf": "out"}, "--save-hf: tiny-moe is a mixture-of-experts"),
+    ],
+)
+def test_train_options_an_moe_model_cannot_take(kw, message):
+    from upipe.train.config import validate
+
+    assert message in validate(small_config(**kw), 2)
+
+
+def test_aux_coef_option_replaces_the_presets():
+    from upipe.model.hf_checkpoint import hf_config
+    from upipe.train.config import model_config, validate
+
+    cfg = small_config(model="tiny-moe", router_aux_loss_coef=0.5)
+    assert validate(cfg, 2) is None and model_config(cfg).router_aux_loss_coef == 0.5
+    with pytest.raises(ValueError, match="no Hugging Face conversion"):
+        hf_config(TINY_MOE, dtype=torch.float32)
+
+
+@pytest.mark.slow
+def test_flop_count_charges_k_experts_per_token():
+    """The time model's GEMM FLOPs of a tiny-moe step (6 blocks, 2 ranks, bf16, FSDP) equal
+    the closed form: per block forward 2 L D (H + 2G) d + 2 L H d D (attention projections)
+    + 2 L D E (router) + 6 L D K F (K experts, not E) + 6 L D F_s (shared), backward twice
+    the forward; plus the head (the combine is a sum, no GEMM)."""
+    from upipe.planner.timing import count_step
+    from upipe.train.config import TrainConfig
+
+    m = dataclasses.replace(TINY_MOE, n_layers=6)
+    C, S, unit = 2, 256, 64
+    cfg = TrainConfig(
+        model="tiny-moe", plot=None, strategy="ulysses", nproc=C, fsdp=True,
+        dtype="bfloat16", seq_len=unit,
+    )  # fmt: skip
+    counts = count_step(cfg, C, m, S, unit=unit, depths=(3, 4))
+    D, H, G, d, V = m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
+    E, K, F_, Fs = m.n_experts, m.experts_per_token, m.expert_ffn_dim, m.shared_expert_ffn_dim
+    L = S // C
+    attn = 2 * L * D * (H + 2 * G) * d + 2 * L * H * d * D
+    mlp = 2 * L * D * E + 6 * L * D * K * F_ + 6 * L * D * Fs
+    assert counts["gemm_flops"] == m.n_layers * 3 * (attn + mlp) + 3 * 2 * L * D * V

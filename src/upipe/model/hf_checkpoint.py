@@ -150,6 +150,11 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype, base: dict | None = None)
     not model (token ids, max_position_embeddings, ...); the shapes always come from `cfg`.
     RoPE is written both ways (`rope_theta`/`rope_scaling` for transformers 4,
     `rope_parameters` for 5)."""
+    if cfg.n_experts:
+        raise ValueError(
+            f"a mixture-of-experts model ({cfg.n_experts} experts) has no Hugging Face "
+            "conversion in upipe yet: save it with torch.save or upipe's checkpoints"
+        )
     model_type = "qwen3" if cfg.qk_norm else "llama"
     if base is not None and base.get("model_type", model_type) != model_type:
         raise ValueError(

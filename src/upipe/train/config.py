@@ -50,6 +50,10 @@ class TrainConfig:
     rank); the loss is the mean over every token of all of them, as for one big batch."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: the weight of the router's load-balancing loss in the
+    objective (loss + coef x balance loss, the balance over whole sequences; logged as
+    router_aux_loss); default: the model's (tiny-moe 0.01, qwen3-30b-a3b 0.001)."""
     skip_nonfinite_steps: bool = False
     """Skip the update of a step whose loss or gradient norm is NaN or infinite (counted
     and reported) instead of stopping the run there with a message naming the step."""
@@ -191,11 +195,16 @@ def model_config(cfg: TrainConfig, vocab_size: int | None = None) -> ModelConfig
     the tokenizer loaded) when one is given."""
     if cfg.init_from_hf:
         return config_from_hf(cfg.init_from_hf)
+    coef = (
+        {}
+        if cfg.router_aux_loss_coef is None
+        else {"router_aux_loss_coef": cfg.router_aux_loss_coef}
+    )
     if cfg.tokenizer is None:
-        return get_config(cfg.model)
+        return get_config(cfg.model, **coef)
     if vocab_size is None:
         vocab_size = load_tokenizer(cfg.tokenizer).vocab_size
-    return get_config(cfg.model, vocab_size=vocab_size)
+    return get_config(cfg.model, vocab_size=vocab_size, **coef)
 
 
 def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> str | None:
@@ -206,6 +215,9 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
         m = model or model_config(cfg, vocab)
     except (ValueError, OSError) as e:
         return str(e)
+    problem = _moe_problem(cfg, m)
+    if problem:
+        return problem
     positive = ("nproc", "seq_len", "batch_size", "steps", "mlp_tile", "loss_chunk")
     for name in (*positive, "grad_accum", "eval_batches"):
         if getattr(cfg, name) < 1:
@@ -303,6 +315,22 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
         f"the model's vocabulary ({m.vocab_size}) is smaller than the {vocab} {tokens}: use "
         "another --tokenizer or a model whose vocabulary holds its ids"
     )
+
+
+def _moe_problem(cfg: TrainConfig, m: ModelConfig) -> str | None:
+    """Options that a mixture-of-experts model (or a dense one) cannot take."""
+    if cfg.router_aux_loss_coef is not None and not m.n_experts:
+        what = cfg.init_from_hf or f"--model {cfg.model}"
+        return (
+            f"--router-aux-loss-coef weighs the router's balance loss, but {what} is dense "
+            "(no experts): leave it out, or train a mixture-of-experts preset (tiny-moe)"
+        )
+    if cfg.save_hf and m.n_experts:
+        return (
+            f"--save-hf: {cfg.model} is a mixture-of-experts model, which upipe does not "
+            "convert to Hugging Face checkpoints yet; save with --checkpoint-dir instead"
+        )
+    return None
 
 
 def _kernel_problem(cfg: TrainConfig, m: ModelConfig) -> str | None:
