@@ -29,6 +29,7 @@ import math
 import time
 
 from upipe.planner import plan
+from upipe.planner.counts import count_in
 from upipe.planner.hardware import HARDWARE, get_hardware, resolve_kernel, with_measured_rates
 from upipe.planner.timing import count_step, predict
 from upipe.train.config import TrainConfig, padded_length, validate
@@ -169,25 +170,26 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
     sim_kw = dict(depths=memory_depths, kernels=pc.device, attention_kernel=pc.attention_kernel)
     with plan.simulator(pc, cfg, model, **sim_kw) as sim:
         m = sim.step(N, explain=True)
-    too_much = []
-    if m.peak_bytes > budget:
-        too_much.append(f"device peak {m.peak_bytes / GiB:.1f} > {budget / GiB:g} GiB")
-    if m.host_peak_bytes > host_budget:
-        too_much.append(f"host {m.host_peak_bytes / GiB:.1f} > {host_budget / GiB:g} GiB")
-    row = {
-        "fits": not too_much,
-        "reason": "; ".join(too_much),
-        "peak_bytes": m.peak_bytes,
-        "host_bytes": m.host_peak_bytes,
-    }
-    if too_much:
-        return {**row, "simulated_s": round(time.perf_counter() - start, 2)}
-    padded = padded_length(dataclasses.replace(cfg, seq_len=N), pc.gpus)
-    # the planner's shortest searched length (a valid length of every candidate) as the unit
-    counts = count_step(
-        cfg, pc.gpus, model, padded, unit=kw["seq_len"], depths=depths,
-        kernels=pc.device,
-    )  # fmt: skip
+        too_much = []
+        if m.peak_bytes > budget:
+            too_much.append(f"device peak {m.peak_bytes / GiB:.1f} > {budget / GiB:g} GiB")
+        if m.host_peak_bytes > host_budget:
+            too_much.append(f"host {m.host_peak_bytes / GiB:.1f} > {host_budget / GiB:g} GiB")
+        row = {
+            "fits": not too_much,
+            "reason": "; ".join(too_much),
+            "peak_bytes": m.peak_bytes,
+            "host_bytes": m.host_peak_bytes,
+        }
+        if too_much:
+            return {**row, "simulated_s": round(time.perf_counter() - start, 2)}
+        padded = padded_length(dataclasses.replace(cfg, seq_len=N), pc.gpus)
+        # the planner's shortest searched length (a valid length of every candidate) as the
+        # unit; counted in this simulator where it can be (`counts.count_in`)
+        fit = dict(unit=kw["seq_len"], depths=depths)
+        counts = None if pc.hf_config else count_in(sim, cfg, pc.gpus, model, padded, **fit)
+    if counts is None:  # (the HF path's memory, upipe's own trainer's time)
+        counts = count_step(cfg, pc.gpus, model, padded, **fit, kernels=pc.device)
     return {**row, "counts": counts, "simulated_s": round(time.perf_counter() - start, 2)}
 
 
