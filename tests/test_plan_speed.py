@@ -10,7 +10,8 @@ import pytest
 
 from upipe.model import get_config
 from upipe.planner.counts import count_in
-from upipe.planner.plan import PlanConfig, candidates, extrapolation_depths
+from upipe.planner.plan import PlanConfig, candidates, extrapolation_depths, plan
+from upipe.planner.search import max_fitting
 from upipe.planner.step import StepSimulator
 from upipe.planner.timing import count_step
 from upipe.train.config import TrainConfig
@@ -61,3 +62,45 @@ def test_counts_fall_back_where_the_simulator_differs():
         assert count_in(sim, cfg, 2, MODEL, 1024, unit=kw["seq_len"], depths=depths) is None
     with StepSimulator(cfg, 2, MODEL, depths=depths) as sim:
         assert cfg.tiled_mlp and count_in(sim, cfg, 2, MODEL, 64, unit=64, depths=depths) is None
+
+
+@pytest.mark.parametrize("first", [1, 16])
+def test_search_with_parts_finds_the_exact_boundary(first):
+    """Parts (a device phase that is flat then steep, a host line): the answer is where the
+    first of them leaves the budget, wherever the search starts, in a few evaluations."""
+    step, budget = 64, 1000
+
+    def parts(S):
+        return (max(600, S // 4 - 900), 100 + S // 20, 300 + S // 100)
+
+    best, seen = max_fitting(parts, budget, step, 64 * 1024, first=first)
+    assert best == max(k * step for k in range(1, 1025) if max(parts(k * step)) <= budget)
+    assert len(seen) <= 12  # a search, not a scan (1,024 lengths)
+
+
+@pytest.mark.slow
+def test_plan_answers_equal_a_scan_of_every_length():
+    """`plan`'s answers (from 16 steps, per-part guesses, the lower bound's first length) are
+    those of simulating every multiple of the granularity up to the limit, for candidates
+    limited by the device, the host, and not fitting at all."""
+    pc = PlanConfig(
+        model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
+        max_seq_len=6144, strategies=("ulysses", "upipe", "none"), heads_per_stage=(2,),
+        features=("off", "on"), mlp_tile=256, loss_chunk=256, host_memory_gib=2**20 / 2**30,
+        jobs=1,
+    )  # fmt: skip
+    res = plan(pc)
+    budget, host = res["budget_bytes"], pc.host_memory_gib * 2**30
+    for row in res["strategies"]:
+        cfg = TrainConfig(**row["train_config"], plot=None)
+        depths = extrapolation_depths(cfg, get_config("tiny").n_layers)
+        with StepSimulator(cfg, 2, depths=depths) as sim:
+            fits = [
+                S
+                for S in range(256, pc.max_seq_len + 1, 256)
+                if (m := sim.step(S)).peak_bytes <= budget and m.host_peak_bytes <= host
+            ]
+        want = max(fits, default=0)
+        assert row["max_seq_len"] == want, row["strategy"]
+        assert fits == list(range(256, want + 1, 256))  # (monotonic)
+    assert {r["limited_by"] for r in res["strategies"]} >= {"device memory", "host memory"}
