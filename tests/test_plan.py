@@ -32,6 +32,8 @@ def test_search_finds_the_exact_boundary(peak, step):
     )
     assert best == expect and best % step == 0
     assert len(seen) <= 16  # a search, not a scan
+    for first in (2, 16, 1000):  # where it starts changes the lengths tried, not the answer
+        assert max_fitting(peak, budget, step, limit, first=first)[0] == expect
     values = [peak(k * step) for k in range(1, limit // step + 1)]
     assert values == sorted(values)  # the functions searched are monotonic
 
@@ -43,6 +45,9 @@ def test_search_is_short_on_a_realistic_peak():
     best, seen = max_fitting(peak, 75 * GiB, step, 16 * 2**20)
     assert best == max(k * step for k in range(1, 257) if peak(k * step) <= 75 * GiB)
     assert len(seen) <= 5
+    # from 16 steps, as the planner starts: 16, 32, then the line's answer and the next
+    fast, seen = max_fitting(peak, 75 * GiB, step, 16 * 2**20, first=16)
+    assert fast == best and len(seen) == 4
 
 
 def test_search_edges():

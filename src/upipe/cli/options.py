@@ -63,7 +63,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls, *, skip=(), grou
         shown = " ".join(map(str, default)) if isinstance(default, tuple | list) else default
         doc = doc if said else f"{doc} (default: {shown})"
         choices = f.metadata.get("choices")
-        if str(f.type) in ("bool", "<class 'bool'>"):
+        if str(f.type) in ("bool", "<class 'bool'>", "bool | None"):  # None: the default decides
             add(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
         elif str(f.type).startswith("tuple"):
             inner = _scalar(str(f.type)[len("tuple[") :].split(",")[0]) or str

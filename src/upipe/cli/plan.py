@@ -5,8 +5,12 @@ that fits at --seq-len and its torchrun command (`upipe.planner.recommend`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
+import os
+import signal
+import sys
 
 from tqdm import tqdm
 
@@ -32,17 +36,20 @@ def _handle(ns, parser) -> int:
     rc = config_from_args(recommender.RecommendConfig, ns)
     if rc.recommend or rc.seq_len is not None or rc.rates_from is not None:
         return _recommend(pc, rc, parser)
-    if pc.gpus < 1 or pc.granularity < 1 or pc.gpu_memory_gib <= 0:
+    if pc.gpus < 1 or pc.granularity < 1 or (pc.gpu_memory_gib or 1) <= 0:
         parser.error("--gpus, --granularity and --gpu-memory-gib must be positive")
     if pc.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'upipe[train]' (or matplotlib)")
-    bar = tqdm(desc="plan", unit="step" if pc.jobs == 1 else "candidate")
 
-    def progress(label, S, peak):
-        bar.set_postfix_str(f"{label} S={S} peak={peak / planner.GiB:.1f}GiB")
-        bar.update()
+    def line(row):
+        if row.get("problem"):
+            return f"{row['strategy']}: n/a"
+        S = row["max_seq_len"]
+        return f"{row['strategy']}: {S:,} tokens" if S else f"{row['strategy']}: does not fit"
 
-    res = _run(bar, parser, lambda: planner.plan(pc, progress), planner.table, pc.json)
+    res = _run(pc, parser, "plan", planner.plan, planner.table, line)
+    if res is None:
+        return 128 + signal.SIGINT
     if pc.plot:
         planner.plot(res, pc.plot)
     return 0
@@ -56,27 +63,75 @@ def _recommend(pc, rc, parser) -> int:
         parser.error("--plot draws the longest-context search: leave it out with --recommend")
     if pc.features == planner.PlanConfig().features:  # not given: the grid
         pc = dataclasses.replace(pc, features=recommender.GRID)
-    bar = tqdm(desc="recommend", unit="candidate")
 
-    def progress(label):
-        bar.set_postfix_str(label)
+    def line(row):
+        if row.get("problem"):
+            return f"{row['strategy']}: n/a"
+        fits = "fits" if row["fits"] else f"does not fit ({row['reason']})"
+        return f"{row['strategy']}: {fits}, peak {row['peak_bytes'] / planner.GiB:.1f} GiB"
+
+    search = functools.partial(recommender.recommend, rc=rc)
+    res = _run(pc, parser, "recommend", search, recommender.table, line)
+    return 128 + signal.SIGINT if res is None else 0
+
+
+def _run(pc, parser, name, search, table, line):
+    """`search(pc, progress)` under a progress bar over the candidates (their number, the
+    total, from `progress(None, res)`), each finished candidate's `line(row)` printed above
+    the bar and the JSON rewritten with the results so far (`"finished": false` until the
+    end); then the table. A ValueError becomes the parser's error. On Ctrl-C: the lines of
+    the candidates that finished and the partial JSON; returns None."""
+    bar, partial = tqdm(desc=name, unit="candidate"), {}
+
+    def progress(row, res):
+        partial["res"] = res
+        if row is None:  # before the first: the candidates to simulate
+            bar.total = sum(not r.get("problem") for r in _rows(res))
+            bar.refresh()
+            return
+        bar.write(line(row))
         bar.update()
+        _write(pc.json, res, finished=False)
 
-    _run(bar, parser, lambda: recommender.recommend(pc, rc, progress), recommender.table, pc.json)
-    return 0
-
-
-def _run(bar, parser, search, table, json_path):
-    """`search()` under the progress bar (a ValueError becomes the parser's error), then its
-    table printed and its results written to `json_path` if given."""
     try:
-        res = search()
+        res = search(pc, progress=progress)
     except ValueError as e:
         bar.close()
         parser.error(str(e))
+    except KeyboardInterrupt:
+        bar.close()
+        res = partial.get("res")
+        done = [r for r in _rows(res or {}) if not r.get("problem") and _finished(r)]
+        print(
+            f"\nupipe {name}: stopped by Ctrl-C (SIGINT) after {len(done)} candidates:",
+            file=sys.stderr,
+        )
+        for r in done:
+            print(line(r))
+        if res:
+            _write(pc.json, res, finished=False)
+            if pc.json:
+                print(f"partial results: {pc.json}", file=sys.stderr)
+        return None
     bar.close()
     print(table(res))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
+    _write(pc.json, res, finished=True)
     return res
+
+
+def _rows(res: dict) -> list[dict]:
+    return res.get("strategies", res.get("candidates", []))
+
+
+def _finished(row: dict) -> bool:
+    return "max_seq_len" in row or "fits" in row
+
+
+def _write(path, res: dict, *, finished: bool) -> None:
+    """The results so far to `path` (if given), atomically (a stop never leaves half a file)."""
+    if not path:
+        return
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as f:
+        json.dump({**res, "finished": finished}, f, indent=1)
+    os.replace(tmp, path)

@@ -19,14 +19,16 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
 
 from upipe.attention.registry import STRATEGIES, get_strategy
 from upipe.kernels import KERNELS
 from upipe.model import PRESETS, get_config
+from upipe.planner.command import train_command
+from upipe.planner.runner import cost, run_all
+from upipe.planner.search import GROWTH, device_floor, max_fitting  # noqa: F401 (also from here)
 from upipe.planner.step import StepSimulator
 from upipe.plot import Panel, Series, save_plot
-from upipe.train.config import TrainConfig, validate
+from upipe.train.config import TrainConfig, default_fsdp, validate
 
 GiB = 2**30
 # the first and last blocks differ from the others (FSDP prefetch, the loss after the last
@@ -34,10 +36,12 @@ GiB = 2**30
 # overestimate with the memory features (29.97 vs 19.66 GiB, llama3-8b at 512K on 8 ranks),
 # 3 and 4 match the full depth exactly (tests/test_plan.py, docs/plan.md)
 EXTRAPOLATION_DEPTHS = (3, 4)
-GROWTH = 16  # the search's longest jump beyond a length known to fit
 FEATURES = ("mlp", "loss", "recompute", "offload")  # the memory features "on" turns on
 # --attention-outputs as feature tokens: kept on the GPU, or offloaded beside the inputs
 ATTENTION_TOKENS = {"keep": "keep", "aoff": "offload"}
+
+
+_TRAIN = TrainConfig()  # `upipe train`'s defaults, which the plan's shared options take
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,10 +57,13 @@ class PlanConfig:
     and AdamW states in --dtype (--master-dtype is not used; upipe.planner.hf)."""
     gpus: int = 8
     """Number of GPUs (ranks)."""
-    gpu_memory_gib: float = 80.0
-    """Memory per GPU in GiB."""
-    reserve_gib: float = 5.0
-    """Memory per GPU that tensors cannot use (CUDA context, NCCL buffers, fragmentation)."""
+    gpu_memory_gib: float | None = None
+    """Memory per GPU in GiB (default: 80 with --device cuda; with --device cpu this
+    machine's memory available now, MemAvailable capped by the container's cgroup, shared by
+    the --gpus ranks as `upipe train` spawns them)."""
+    reserve_gib: float | None = None
+    """Memory per GPU that tensors cannot use (default: 5 GiB on CUDA for its context, NCCL
+    buffers and fragmentation; 0.5 GiB per rank on CPU for the process and torch itself)."""
     host_memory_gib: float = 256.0
     """Host memory per GPU for the offloaded block inputs (and with fsdp-offload the sharded
     parameters, gradients and optimizer states), in GiB (256: 2 TiB per 8-GPU
@@ -97,8 +104,14 @@ class PlanConfig:
     """Tokens per cross-entropy chunk (with features)."""
     batch_size: int = 1
     """Sequences per step (per data-parallel rank: every GPU for `none`)."""
-    fsdp: bool = True
-    """Shard parameters, gradients and optimizer states (FSDP2) over all GPUs."""
+    fsdp: bool | None = None
+    """Shard parameters, gradients and optimizer states (FSDP2) over all GPUs (default: on
+    with --device cuda, off on cpu: the rule `upipe train` follows, one function for both)."""
+    document_mask: bool = _TRAIN.document_mask
+    """As `upipe train --document-mask` (the same default), for the command printed: the
+    step is planned for one document per sequence, the most memory a batch can hold (with
+    documents the trainer runs the rows one at a time; on CUDA a stage's documents are one
+    varlen kernel call, no larger than the dense one)."""
     dtype: str = dataclasses.field(
         default="bfloat16", metadata={"choices": ("bfloat16", "float32")}
     )
@@ -131,53 +144,6 @@ def extrapolation_depths(cfg: TrainConfig, n_layers: int) -> tuple[int, int]:
     m = cfg.blocks_per_checkpoint if cfg.activation_checkpoint else 1
     keep, r = cfg.keep_on_gpu if cfg.offload else 0, n_layers % m
     return tuple((n + keep) * m + r for n in EXTRAPOLATION_DEPTHS)
-
-
-def max_fitting(peak: Callable[[int], float], budget: float, step: int, max_len: int):
-    """Largest multiple S of `step` (<= max_len) with peak(S) <= budget, for a `peak` that
-    does not decrease with S; 0 if not even `step` fits. Returns (S, {S: peak(S) measured}).
-
-    The search walks up from short sequences: each guess is where the line through the last
-    two measurements meets the budget (the peak is piecewise linear in S: every tensor grows
-    linearly with the tokens, the peak is the largest sum), at most `GROWTH` times the
-    longest length known to fit (at short lengths the slope is still that of the small
-    terms, and a line through them overshoots far), kept inside the bracket, and replaced by
-    bisection when two guesses in a row failed to halve it. The answer is exact: S fits and
-    S + step does not (or S is the limit). A linear peak takes 3-4 evaluations.
-    """
-    seen: dict[int, float] = {}
-
-    def value(k: int) -> float:
-        if k * step not in seen:
-            seen[k * step] = peak(k * step)
-        return seen[k * step]
-
-    k_max = max_len // step
-    if k_max < 1 or value(1) > budget:
-        return 0, seen
-    lo, hi = 1, k_max + 1  # lo fits; hi does not (k_max + 1: beyond the limit)
-    order, slow = [1], 0
-    while hi - lo > 1:
-        guess = None
-        if len(order) >= 2:
-            a, b = order[-2], order[-1]
-            slope = (value(b) - value(a)) / (b - a)
-            if slope > 0:
-                guess = math.floor(b + (budget - value(b)) / slope)
-        bracketed = hi <= k_max
-        if guess is None:  # flat so far: grow
-            guess = GROWTH * lo
-        if bracketed and slow >= 2:
-            guess, slow = (lo + hi) // 2, 0
-        guess = min(max(guess, lo + 1), hi - 1, GROWTH * lo)
-        width = hi - lo
-        if value(guess) <= budget:
-            lo = guess
-        else:
-            hi = guess
-        order.append(guess)
-        slow = slow + 1 if bracketed and 2 * (hi - lo) > width else 0
-    return lo * step, seen
 
 
 def feature_set(name: str, pc: PlanConfig | None = None) -> dict:
@@ -249,7 +215,9 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
         spec = get_strategy(strategy)
         for ring, U in _stage_candidates(pc, spec, model):
             for feat in pc.features:
-                kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": pc.fsdp, "dtype": pc.dtype}
+                fsdp = default_fsdp(pc.device) if pc.fsdp is None else pc.fsdp
+                kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": fsdp, "dtype": pc.dtype}
+                kw["document_mask"] = pc.document_mask
                 kw["master_dtype"] = pc.dtype if pc.hf_config else pc.master_dtype
                 kw["batch_size"] = pc.batch_size
                 kw["model"], kw["seq_len"] = pc.model, _step(pc)
@@ -314,16 +282,40 @@ def _hf_checked(pc: PlanConfig):
     return shapes(load_hf_config(pc.hf_config))
 
 
+CUDA_MEMORY_GIB, CUDA_RESERVE_GIB, CPU_RESERVE_GIB = 80.0, 5.0, 0.5
+
+
+def resolved(pc: PlanConfig) -> PlanConfig:
+    """`pc` with its device's defaults filled in (--gpu-memory-gib, --reserve-gib, --fsdp): on CPU
+    the memory available now (`upipe.train.fits.available_host_bytes`, the one `upipe train`
+    checks a CPU job against) divided among the ranks."""
+    if pc.device == "cpu":
+        from upipe.train.fits import available_host_bytes
+
+        memory = available_host_bytes() / GiB / pc.gpus
+        memory, reserve = pc.gpu_memory_gib or memory, CPU_RESERVE_GIB
+    else:
+        memory, reserve = pc.gpu_memory_gib or CUDA_MEMORY_GIB, CUDA_RESERVE_GIB
+    reserve = reserve if pc.reserve_gib is None else pc.reserve_gib
+    fsdp = default_fsdp(pc.device) if pc.fsdp is None else pc.fsdp
+    return dataclasses.replace(pc, gpu_memory_gib=round(memory, 3), reserve_gib=reserve, fsdp=fsdp)
+
+
 def checked(pc: PlanConfig):
     """The model `pc` plans (its preset, with --model-config's fields) and the device budget
     in bytes (GPU memory - reserve), after checking `pc` (ValueError naming the fix)."""
+    pc = resolved(pc)
     model = _hf_checked(pc) if pc.hf_config else get_config(pc.model)
     if pc.model_config:
         with open(pc.model_config) as f:
             model = dataclasses.replace(model, **json.load(f))
     budget = (pc.gpu_memory_gib - pc.reserve_gib) * GiB
     if budget <= 0:
-        raise ValueError(f"--reserve-gib {pc.reserve_gib} leaves nothing of {pc.gpu_memory_gib}")
+        raise ValueError(
+            f"--reserve-gib {pc.reserve_gib} leaves nothing of --gpu-memory-gib "
+            f"{pc.gpu_memory_gib} ({pc.device}): give a smaller --reserve-gib"
+            + (" or fewer --gpus (ranks share this machine's memory)" if pc.device == "cpu" else "")
+        )
     if not pc.host_memory_gib > 0:
         raise ValueError(f"--host-memory-gib must be positive (or inf), got {pc.host_memory_gib}")
     if pc.master_dtype == "bfloat16" and pc.dtype == "float32":
@@ -334,39 +326,46 @@ def checked(pc: PlanConfig):
 
 
 def plan(pc: PlanConfig, progress=None) -> dict:
-    """Search every candidate of `pc` (`pc.jobs` at a time, each in a process of its own);
-    returns the JSON-ready results. `progress(label, S, peak_bytes)` is called after each
-    simulated step (one job) or each finished candidate (several jobs)."""
+    """Search every candidate of `pc` (`pc.jobs` at a time, each in a process of its own,
+    the longest first: `upipe.planner.runner`); returns the JSON-ready results.
+    `progress(row, res)` is called after each finished candidate with its row and the
+    results so far (the rows not searched yet have no "max_seq_len"), and first with row
+    None (the rows to search)."""
+    pc = resolved(pc)
     model, budget = checked(pc)
     out = {"config": dataclasses.asdict(pc), "budget_bytes": budget, "strategies": []}
     todo = []
     for label, kw, problem in candidates(pc, model):
         out["strategies"].append({"strategy": label, "train_config": kw, "problem": problem})
         if not problem:
-            todo.append((out["strategies"][-1], label, kw))
-    if pc.jobs == 1 or len(todo) < 2:  # in order (the progress bar shows every step)
-        for row, label, kw in todo:
-            row.update(_search(pc, model, budget, label, kw, progress))
-        return out
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+            depths = extrapolation_depths(TrainConfig(**kw, plot=None), model.n_layers)
+            todo.append(
+                (len(out["strategies"]) - 1, (pc, model, budget, label, kw), cost(kw, depths))
+            )
+    todo.sort(key=lambda t: -t[2])
+    if progress:
+        progress(None, out)
 
-    # slowest first (features recompute every block; UPipe runs stages): workers end together
-    todo.sort(key=lambda t: (not t[2].get("activation_checkpoint"), "heads_per_stage" not in t[2]))
-    with ProcessPoolExecutor(min(pc.jobs, len(todo)), mp_context=mp.get_context("spawn")) as ex:
-        futures = {ex.submit(_search, pc, model, budget, label, kw): row for row, label, kw in todo}
-        for future in as_completed(futures):
-            row = futures[future]
-            row.update(future.result())
-            if progress:
-                best = row["max_seq_len"]
-                at = {p["seq_len"]: p["peak_bytes"] for p in row["points"]}
-                progress(row["strategy"], best, at.get(best, min(at.values(), default=0)))
+    def done(i, result):
+        out["strategies"][i].update(result)
+        if progress:
+            progress(out["strategies"][i], out)
+
+    run_all(_search, [(i, args) for i, args, _ in todo], pc.jobs, done)
+    found = [r for r in out["strategies"] if r.get("max_seq_len")]
+    if found and not pc.hf_config:  # the longest context's `upipe train` (the first of ties)
+        best = max(found, key=lambda r: r["max_seq_len"])
+        out["longest"] = best["strategy"]
+        out["command"] = train_command(
+            best["train_config"], pc.gpus, best["max_seq_len"], pc.device
+        )
     return out
 
 
-def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress=None) -> dict:
-    """The longest fitting sequence of one candidate, with the peaks measured on the way."""
+def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict) -> dict:
+    """The longest fitting sequence of one candidate, with the peaks measured on the way
+    (`search.max_fitting`: from `GROWTH` steps, or 1 where `device_floor` says that many
+    cannot fit)."""
     cfg = TrainConfig(**kw, plot=None)
     step = _step(pc)
     depths = extrapolation_depths(cfg, model.n_layers) if pc.extrapolate else None
@@ -376,14 +375,17 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict, progress
     with simulator(pc, cfg, model, **sim_kw) as sim:
 
         def used(S):
-            """The fraction of the budget S needs: of the device memory, or of the host
-            memory if that is budgeted and the larger fraction (both grow with S)."""
+            """The fractions of the budgets S needs: of the device memory, of the host
+            memory (if that is budgeted), and of the device memory by phase (all grow with
+            S; the phases are at most the peak, so they only guide the search)."""
             m = mems[S] = sim.step(S, explain=True)  # what is live at the peak: about free
-            if progress:
-                progress(label, S, m.peak_bytes)
-            return max(m.peak_bytes / budget, m.host_peak_bytes / host_budget)
+            phases = [b / budget for b in m.phase_bytes.values()]
+            return (m.peak_bytes / budget, m.host_peak_bytes / host_budget, *phases)
 
-        best, _ = max_fitting(used, 1.0, step, pc.max_seq_len)
+        probe = min(GROWTH, pc.max_seq_len // step)
+        floor = device_floor(dataclasses.replace(cfg, seq_len=probe * step), pc.gpus, model)
+        first = 1 if floor > budget else probe
+        best, _ = max_fitting(used, 1.0, step, pc.max_seq_len, first=first)
     beyond = mems.get(best + step)  # measured unless best is the limit
     row = {
         "max_seq_len": best,
@@ -423,9 +425,13 @@ def table(res: dict) -> str:
     ]
     if res["config"].get("hf_config"):
         lines.insert(0, f"Hugging Face path: {res['config']['hf_config']} (upipe.planner.hf)")
+    waiting = 0
     for r in res["strategies"]:
         if r["problem"]:
             lines.append(f"{r['strategy']:{w}} {'n/a':>12}  {r['problem']}")
+            continue
+        if "max_seq_len" not in r:  # (a partial table: not searched yet)
+            waiting += 1
             continue
         S = r["max_seq_len"]
         pts = {p["seq_len"]: p for p in r["points"]}
@@ -443,6 +449,10 @@ def table(res: dict) -> str:
             f"{r['strategy']:{w}} {S:>12,} {pts[S]['peak_bytes'] / GiB:>9.2f} "
             f"{r['host_bytes_at_max'] / GiB:>9.2f}  {top}"
         )
+    if waiting:
+        lines.append(f"({waiting} candidates not searched: stopped before they finished)")
+    if res.get("command"):
+        lines += [f"\nlongest: {res['longest']}, the command that trains it:", res["command"]]
     return "\n".join(lines)
 
 

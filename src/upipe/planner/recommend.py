@@ -25,11 +25,13 @@ the accelerate FSDP2 config) with its torchrun command.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from upipe.planner import plan
+from upipe.planner.command import SHOWN, torchrun_command  # noqa: F401 (also from here)
+from upipe.planner.counts import count_in
 from upipe.planner.hardware import HARDWARE, get_hardware, resolve_kernel, with_measured_rates
+from upipe.planner.runner import cost, run_all
 from upipe.planner.timing import count_step, predict
 from upipe.train.config import TrainConfig, padded_length, validate
 
@@ -44,8 +46,6 @@ GRID = (
     *("on+keep", "on+aoff", "on+fsdp-offload+aoff"),
 )
 TIE = 0.01  # predicted steps this close to the fastest count as as fast (`_pick`)
-# options the printed command always names, first, in this order
-SHOWN = ("device", "model", "strategy", "seq_len", "dtype", "fsdp")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,14 +71,17 @@ class RecommendConfig:
 
 def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
     """Every candidate of `pc` at `rc.seq_len` (fits?, counts, predicted time), the pick and
-    its command, JSON-ready. `progress(label)` is called after each candidate."""
+    its command, JSON-ready. `progress(row, res)` is called after each simulated candidate
+    with its row and the results so far (rows not simulated yet have no "fits"), and first
+    with row None (the rows to simulate)."""
     hw, N = get_hardware(rc.hardware), rc.seq_len
     if rc.rates_from:
         hw = with_measured_rates(hw, rc.rates_from)
     kernel = resolve_kernel(pc.attention_kernel, hw)
     hw.kernel_rate(kernel)  # (a kernel without rates is refused before any simulation)
     named = {} if pc.attention_kernel == "auto" else {"attention_kernel": kernel}
-    pc = dataclasses.replace(pc, attention_kernel=kernel)  # the memory of the kernel timed
+    # the memory of the kernel timed; the device's memory defaults filled in
+    pc = plan.resolved(dataclasses.replace(pc, attention_kernel=kernel))
     if N is None or N < 1:
         raise ValueError(f"--recommend needs --seq-len N >= 1 (tokens per sequence), got {N}")
     if pc.dtype != "bfloat16":
@@ -97,22 +100,22 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
         if not problem:
             todo.append(rows[-1])
     args = (pc, model, N, budget, host_budget)
-    if pc.jobs == 1 or len(todo) < 2:
-        for row in todo:
-            row.update(_evaluate(*args, row["train_config"]))
-            if progress:
-                progress(row["strategy"])
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        workers = min(pc.jobs, len(todo))
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            futures = {ex.submit(_evaluate, *args, row["train_config"]): row for row in todo}
-            for future in as_completed(futures):
-                futures[future].update(future.result())
-                if progress:
-                    progress(futures[future]["strategy"])
+    def done(row, result):
+        row.update(result)
+        if progress:
+            progress(row, out)
+
+    def expected(row):  # (the longest first: `runner.cost`)
+        kw = row["train_config"]
+        return -cost(kw, plan.extrapolation_depths(TrainConfig(**kw, plot=None), model.n_layers))
+
+    out = {"config": dataclasses.asdict(pc), "seq_len": N, "budget_bytes": budget}
+    out["candidates"] = rows
+    tasks = [(row, (*args, row["train_config"])) for row in sorted(todo, key=expected)]
+    if progress:
+        progress(None, out)
+    run_all(_evaluate, tasks, pc.jobs, done)
     fit = [r for r in todo if r["fits"]]
     for row in fit:
         cfg = TrainConfig(**row["train_config"], plot=None)
@@ -127,19 +130,19 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
         + [r for r in rows if r["problem"]]
     )
     pick = _pick(fit)
-    out = {
-        "config": dataclasses.asdict(pc),
-        "seq_len": N,
-        "hardware": dataclasses.asdict(hw),
-        "attention_kernel": kernel,
-        "attention_rates": dataclasses.asdict(hw.kernel_rate(kernel)),
-        "budget_bytes": budget,
-        "candidates": rows,
-        "fastest": fit[0]["strategy"] if fit else None,
-        "pick": pick and pick["strategy"],
-        "command": pick
-        and torchrun_command({**pick["train_config"], **named}, pc.gpus, N, hw.gpus_per_node),
-    }
+    out.update(
+        {
+            "hardware": dataclasses.asdict(hw),
+            "attention_kernel": kernel,
+            "attention_rates": dataclasses.asdict(hw.kernel_rate(kernel)),
+            "budget_bytes": budget,
+            "candidates": rows,
+            "fastest": fit[0]["strategy"] if fit else None,
+            "pick": pick and pick["strategy"],
+            "command": pick
+            and torchrun_command({**pick["train_config"], **named}, pc.gpus, N, hw.gpus_per_node),
+        }
+    )
     if pc.hf_config and pick:
         from upipe.planner.hf import hf_settings
 
@@ -169,54 +172,27 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
     sim_kw = dict(depths=memory_depths, kernels=pc.device, attention_kernel=pc.attention_kernel)
     with plan.simulator(pc, cfg, model, **sim_kw) as sim:
         m = sim.step(N, explain=True)
-    too_much = []
-    if m.peak_bytes > budget:
-        too_much.append(f"device peak {m.peak_bytes / GiB:.1f} > {budget / GiB:g} GiB")
-    if m.host_peak_bytes > host_budget:
-        too_much.append(f"host {m.host_peak_bytes / GiB:.1f} > {host_budget / GiB:g} GiB")
-    row = {
-        "fits": not too_much,
-        "reason": "; ".join(too_much),
-        "peak_bytes": m.peak_bytes,
-        "host_bytes": m.host_peak_bytes,
-    }
-    if too_much:
-        return {**row, "simulated_s": round(time.perf_counter() - start, 2)}
-    padded = padded_length(dataclasses.replace(cfg, seq_len=N), pc.gpus)
-    # the planner's shortest searched length (a valid length of every candidate) as the unit
-    counts = count_step(
-        cfg, pc.gpus, model, padded, unit=kw["seq_len"], depths=depths,
-        kernels=pc.device,
-    )  # fmt: skip
+        too_much = []
+        if m.peak_bytes > budget:
+            too_much.append(f"device peak {m.peak_bytes / GiB:.1f} > {budget / GiB:g} GiB")
+        if m.host_peak_bytes > host_budget:
+            too_much.append(f"host {m.host_peak_bytes / GiB:.1f} > {host_budget / GiB:g} GiB")
+        row = {
+            "fits": not too_much,
+            "reason": "; ".join(too_much),
+            "peak_bytes": m.peak_bytes,
+            "host_bytes": m.host_peak_bytes,
+        }
+        if too_much:
+            return {**row, "simulated_s": round(time.perf_counter() - start, 2)}
+        padded = padded_length(dataclasses.replace(cfg, seq_len=N), pc.gpus)
+        # the planner's shortest searched length (a valid length of every candidate) as the
+        # unit; counted in this simulator where it can be (`counts.count_in`)
+        fit = dict(unit=kw["seq_len"], depths=depths)
+        counts = None if pc.hf_config else count_in(sim, cfg, pc.gpus, model, padded, **fit)
+    if counts is None:  # (the HF path's memory, upipe's own trainer's time)
+        counts = count_step(cfg, pc.gpus, model, padded, **fit, kernels=pc.device)
     return {**row, "counts": counts, "simulated_s": round(time.perf_counter() - start, 2)}
-
-
-def torchrun_command(kw: dict, gpus: int, seq_len: int, gpus_per_node: int) -> str:
-    """The command that trains candidate `kw` (TrainConfig fields) on `gpus` CUDA GPUs at
-    `seq_len` tokens: every option that differs from `upipe train`'s default, the `SHOWN`
-    ones first. Beyond one node: torchrun's c10d rendezvous, run on every node."""
-    cfg = TrainConfig(**{**kw, "seq_len": seq_len, "device": "cuda"})
-    default = TrainConfig()
-    names = [*SHOWN, *(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SHOWN)]
-    words = []
-    for name in names:
-        value = getattr(cfg, name)
-        if name == "nproc" or (name not in SHOWN and value == getattr(default, name)):
-            continue  # (--nproc: torchrun's --nproc-per-node decides)
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            words.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            words += [flag, str(value)]
-    if gpus <= gpus_per_node:
-        launch = f"torchrun --nproc-per-node {gpus}"
-    else:
-        nodes = math.ceil(gpus / gpus_per_node)
-        launch = (
-            f"torchrun --nnodes {nodes} --nproc-per-node {gpus // nodes} --rdzv-backend c10d "
-            "--rdzv-endpoint HEAD_NODE:29500"
-        )
-    return " ".join([launch, "-m", "upipe.train", *words])
 
 
 def table(res: dict) -> str:

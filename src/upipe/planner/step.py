@@ -468,16 +468,22 @@ class JobSimulator:
                 return seq_len
         raise ValueError(f"no valid sequence length on {self.world} ranks")
 
-    def step(self, seq_len: int, *, explain: bool = False) -> StepMemory:
-        """Memory of one training step at `seq_len` tokens per sequence."""
+    def step(
+        self, seq_len: int, *, explain: bool = False, depth: int | None = None, sample_loops=None
+    ) -> StepMemory:
+        """Memory of one training step at `seq_len` tokens per sequence. `depth`: step only
+        the job of that many blocks (one of `depths`) and return its own memory, not
+        extrapolated; `sample_loops`: this step's choice instead of the simulator's (the
+        counts of `upipe.planner.timing` need the full loops)."""
         problem = self._problem(seq_len)
         if problem:
             raise ValueError(problem)
-        with (
-            sampled_loops() if self.sample_loops else contextlib.nullcontext(),
-            _kernels(self.kernels),
-        ):
-            runs = [measure_step(self.jobs[n], seq_len, explain) for n in self.depths]
+        if depth is not None and depth not in self.jobs:
+            raise ValueError(f"depth {depth} is not simulated here: one of {self.depths}")
+        sample = self.sample_loops if sample_loops is None else sample_loops
+        with sampled_loops() if sample else contextlib.nullcontext(), _kernels(self.kernels):
+            depths = self.depths if depth is None else (depth,)
+            runs = [measure_step(self.jobs[n], seq_len, explain) for n in depths]
         if len(runs) == 1:
             return runs[0]
         (n0, n1), N = self.depths, self.n_layers

@@ -208,9 +208,10 @@ class _Counter(TorchDispatchMode):
             self.counts[kind] += _nbytes(read) + _nbytes(written)
 
 
-def _count(sim: StepSimulator, seq_len: int) -> dict[str, int]:
+def _count(sim: StepSimulator, seq_len: int, depth: int | None = None) -> dict[str, int]:
     """Counts of one simulated step at `seq_len`: `_Counter`'s, and the bytes of each
-    collective as "op@ranks" (ranks: the group's global ranks)."""
+    collective as "op@ranks" (ranks: the group's global ranks). `depth`: of that job of
+    `sim` only, with the full loops (else every job of `sim`, its loops as `sim` runs them)."""
     trackers = [trainer.tracker for trainer in sim.trainers.values()]
 
     def is_host(t: torch.Tensor) -> bool:
@@ -225,7 +226,10 @@ def _count(sim: StepSimulator, seq_len: int) -> dict[str, int]:
         return stand_in(acc, a, b, tensor_cores=tensor_cores)
 
     with mock.patch.object(step_module, "_cuda_addmm_acc_", addmm_acc_), counter, log:
-        sim.step(seq_len)
+        if depth is None:
+            sim.step(seq_len)
+        else:
+            sim.step(seq_len, depth=depth, sample_loops=False)
     counter.settle()
     counts = dict(counter.counts)
     for c in log.calls:

@@ -19,6 +19,13 @@ from upipe.train.tokenizers import VOCAB_SIZE, load_tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def default_fsdp(device: str) -> bool:
+    """--fsdp when not given, for `upipe train` and `upipe plan` alike: on for CUDA jobs
+    (a model at scale does not fit replicated: Llama3-8B's fp32 weights, gradients and AdamW
+    states are 128 GB per GPU), off on CPU (the spawned demo ranks, as they always ran)."""
+    return device == "cuda"
+
+
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
     model: str = dataclasses.field(default="tiny", metadata={"choices": sorted(PRESETS)})
@@ -115,8 +122,9 @@ class TrainConfig:
     the device from each layer's forward to its backward: one [B, L, H*d] tensor plus
     B * L * H fp32 per layer; offload holds them in host memory beside the block inputs
     (needs --offload). Not for --strategy none (torch's own attention)."""
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer states over all ranks (FSDP2)."""
+    fsdp: bool | None = None
+    """Shard parameters, gradients and optimizer states over all ranks (FSDP2). Default:
+    on with --device cuda, off on CPU (`upipe plan` takes the same rule)."""
     fsdp_offload: bool = False
     """With --fsdp: keep the sharded parameters, gradients and optimizer states in host
     memory (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU); the device holds only
@@ -168,6 +176,10 @@ class TrainConfig:
     plot: str | None = "train_loss.png"
     """Write the loss curve here (PNG; needs matplotlib, else skipped with a warning); ''
     for none."""
+
+    def __post_init__(self):
+        if self.fsdp is None:
+            self.fsdp = default_fsdp(self.device)
 
     def degrees(self, world: int) -> tuple[int, int, int]:
         """(dp, ring, ulysses) for `world` processes."""

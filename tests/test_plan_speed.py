@@ -1,0 +1,106 @@
+"""The planner's shortcuts give what the exhaustive paths give: `counts.count_in` (two
+lengths, in the memory's own simulator) equals `timing.count_step` (three lengths, its own
+simulators), and the search's answers equal a scan of every length."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from upipe.model import get_config
+from upipe.planner.counts import count_in
+from upipe.planner.plan import PlanConfig, candidates, extrapolation_depths, plan
+from upipe.planner.search import max_fitting
+from upipe.planner.step import StepSimulator
+from upipe.planner.timing import count_step
+from upipe.train.config import TrainConfig
+
+MODEL = dataclasses.replace(get_config("tiny"), n_layers=8)  # deeper than every depth pair
+FEATURES = ("off", "on", "on+ckpt2+fsdp-offload", "on+gpu1+aoff", "loss+recompute+keep")
+
+
+def _candidates(world, strategies):
+    pc = PlanConfig(
+        model="tiny", gpus=world, granularity=64, strategies=strategies, features=FEATURES,
+        heads_per_stage=(world,), mlp_tile=32, loss_chunk=32,
+    )  # fmt: skip
+    return [(label, kw) for label, kw, problem in candidates(pc, MODEL) if problem is None]
+
+
+CASES = [
+    *((2, label, kw) for label, kw in _candidates(2, ("none", "ulysses", "upipe", "ring"))),
+    *((4, label, kw) for label, kw in _candidates(4, ("usp",))),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,label,kw", CASES, ids=[f"{w}-{label}" for w, label, _ in CASES])
+def test_counts_in_the_memory_simulator_equal_count_step(world, label, kw):
+    """Every count (FLOPs, collective bytes, host copies, memory-bound bytes) at 1024 tokens
+    (whole tiles and chunks), every strategy and memory feature set (checkpoints of 2
+    blocks, kept inputs, FSDP2's offload, attention outputs kept or offloaded): the same
+    integers. The memory step at that length runs first, as in `--recommend`."""
+    cfg = TrainConfig(**kw, plot=None)
+    depths = extrapolation_depths(cfg, MODEL.n_layers)
+    S, unit = 8 * 128, kw["seq_len"]
+    want = count_step(cfg, world, MODEL, S, unit=unit, depths=depths)
+    with StepSimulator(cfg, world, MODEL, depths=depths) as sim:
+        sim.step(S)
+        got = count_in(sim, cfg, world, MODEL, S, unit=unit, depths=depths)
+    assert got == want
+
+
+@pytest.mark.slow
+def test_counts_fall_back_where_the_simulator_differs():
+    """Not extrapolated (the simulator runs the full depth, the counts 3 and 4 blocks), or a
+    length of one MLP tile per rank (counted without tiles): nothing, for count_step."""
+    _, label, kw = CASES[4]
+    cfg = TrainConfig(**kw, plot=None)
+    depths = extrapolation_depths(cfg, MODEL.n_layers)
+    with StepSimulator(cfg, 2, MODEL) as sim:
+        assert count_in(sim, cfg, 2, MODEL, 1024, unit=kw["seq_len"], depths=depths) is None
+    with StepSimulator(cfg, 2, MODEL, depths=depths) as sim:
+        assert cfg.tiled_mlp and count_in(sim, cfg, 2, MODEL, 64, unit=64, depths=depths) is None
+
+
+@pytest.mark.parametrize("first", [1, 16])
+def test_search_with_parts_finds_the_exact_boundary(first):
+    """Parts (a device phase that is flat then steep, a host line): the answer is where the
+    first of them leaves the budget, wherever the search starts, in a few evaluations."""
+    step, budget = 64, 1000
+
+    def parts(S):
+        return (max(600, S // 4 - 900), 100 + S // 20, 300 + S // 100)
+
+    best, seen = max_fitting(parts, budget, step, 64 * 1024, first=first)
+    assert best == max(k * step for k in range(1, 1025) if max(parts(k * step)) <= budget)
+    assert len(seen) <= 12  # a search, not a scan (1,024 lengths)
+
+
+@pytest.mark.slow
+def test_plan_answers_equal_a_scan_of_every_length():
+    """`plan`'s answers (from 16 steps, per-part guesses, the lower bound's first length) are
+    those of simulating every multiple of the granularity up to the limit, for candidates
+    limited by the device, the host, and not fitting at all."""
+    pc = PlanConfig(
+        model="tiny", gpus=2, gpu_memory_gib=0.02, reserve_gib=0.01, granularity=256,
+        max_seq_len=6144, strategies=("ulysses", "upipe", "none"), heads_per_stage=(2,),
+        features=("off", "on"), mlp_tile=256, loss_chunk=256, host_memory_gib=2**20 / 2**30,
+        jobs=1,
+    )  # fmt: skip
+    res = plan(pc)
+    budget, host = res["budget_bytes"], pc.host_memory_gib * 2**30
+    for row in res["strategies"]:
+        cfg = TrainConfig(**row["train_config"], plot=None)
+        depths = extrapolation_depths(cfg, get_config("tiny").n_layers)
+        with StepSimulator(cfg, 2, depths=depths) as sim:
+            fits = [
+                S
+                for S in range(256, pc.max_seq_len + 1, 256)
+                if (m := sim.step(S)).peak_bytes <= budget and m.host_peak_bytes <= host
+            ]
+        want = max(fits, default=0)
+        assert row["max_seq_len"] == want, row["strategy"]
+        assert fits == list(range(256, want + 1, 256))  # (monotonic)
+    assert {r["limited_by"] for r in res["strategies"]} >= {"device memory", "host memory"}
