@@ -56,7 +56,7 @@ from upipe.attention.common import (
 from upipe.attention.documents import block_backend, block_calls, layout_segments
 from upipe.attention.window import block_backward, block_forward, merge_
 from upipe.comm import ring_send_recv
-from upipe.kernels import acc_dtype, attention_backward, attention_forward
+from upipe.kernels import acc_dtype
 
 _KV_TAG, _DKV_TAG = 0, 1  # the two exchanges of the backward run concurrently
 
@@ -93,10 +93,11 @@ def _blocks(layout, causal, L, C, docs, window):
 
 def _calls(block, masked):
     """The kernel calls of a step's block (see `_blocks`), each (query slice, key slice,
-    causal, (q0, k0) or None)."""
+    causal, (q0, k0)): the call's global positions, which only a window reads
+    (`window.block_forward`; without one, unmasked blocks carry (0, 0))."""
     if block is None:
         return ()
-    return block if masked else ((*block, None),)
+    return block if masked else ((*block, (0, 0)),)
 
 
 def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs=None, window=None):
@@ -113,15 +114,16 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs
     for _, block, receives in loops.ring_steps(C, r, steps):
         pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
         for qs, ks, block_causal, starts in _calls(block, masked):
-            part_BLHd, part_lse_BHL = _attend(
+            part_BLHd, part_lse_BHL = block_forward(
                 q_BLHd[:, qs],
                 kv_2BLGd[0][:, ks],
                 kv_2BLGd[1][:, ks],
-                block_causal,
-                starts,
-                window,
-                scale,
-                backend,
+                q0=starts[0],
+                k0=starts[1],
+                causal=block_causal,
+                window=window,
+                softmax_scale=scale,
+                backend=backend,
             )
             if out_BLHd is None:  # step 0: the local block, which covers every query
                 out_BLHd = part_BLHd.to(acc).contiguous()
@@ -132,25 +134,6 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, group, causal, scale, backend, layout, docs
         if pending is not None:
             kv_2BLGd = pending.wait()
     return out_BLHd.to(q_BLHd.dtype), lse_BHL
-
-
-def _attend(q, k, v, causal, starts, window, scale, backend):
-    """One call's (out, lse): the kernel, or with a `window` the band of the call at global
-    positions `starts` = (q0, k0) (`upipe.attention.window`)."""
-    kw = dict(softmax_scale=scale, backend=backend)
-    if window is None:
-        return attention_forward(q, k, v, causal=causal, **kw)
-    q0, k0 = starts
-    return block_forward(q, k, v, q0=q0, k0=k0, causal=causal, window=window, **kw)
-
-
-def _attend_backward(dout, q, k, v, out, lse, causal, starts, window, scale, backend):
-    """(dq, dk, dv) of `_attend`."""
-    kw = dict(softmax_scale=scale, backend=backend)
-    if window is None:
-        return attention_backward(dout, q, k, v, out, lse, causal=causal, **kw)
-    q0, k0 = starts
-    return block_backward(dout, q, k, v, out, lse, q0=q0, k0=k0, causal=causal, window=window, **kw)
 
 
 def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=None, window=None):
@@ -166,18 +149,19 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_BHL, *args, docs=
         kv_pending = ring_send_recv(kv_2BLGd, group, tag=_KV_TAG) if receives else None
         pieces = []  # (key slice, dk, dv) of the step's calls, added once the sum arrives
         for qs, ks, block_causal, starts in _calls(block, masked):
-            dq, dk, dv = _attend_backward(
+            dq, dk, dv = block_backward(
                 dout_BLHd[:, qs],
                 q_BLHd[:, qs],
                 kv_2BLGd[0][:, ks],
                 kv_2BLGd[1][:, ks],
                 out_BLHd[:, qs],
                 lse_BHL[:, :, qs].contiguous(),
-                block_causal,
-                starts,
-                window,
-                scale,
-                backend,
+                q0=starts[0],
+                k0=starts[1],
+                causal=block_causal,
+                window=window,
+                softmax_scale=scale,
+                backend=backend,
             )
             dq_BLHd[:, qs] += dq
             pieces.append((ks, dk, dv))
