@@ -93,9 +93,10 @@ def run_docs_mesh(rank, world_size, dims, strategy, shape, kwargs, cu, dtype=tor
     return pos, [t.detach().double() for t in (out, *(x.grad for x in leaves))]
 
 
-def module_doc_reference(cfg, cu, window=None):
+def module_doc_reference(cfg, cu, window=None, attend=masked_attention):
     """y, dx and weight gradients of the attention layer with the document mask (and
-    sliding window) in fp64; RoPE positions restart per document."""
+    sliding window) in fp64; RoPE positions restart per document. `attend(q, k, v,
+    allowed)`: the attention itself (sink_workers passes one with sinks)."""
     from upipe.rope import apply_rope, rope_cos_sin
 
     x, dy, _ = make_module_inputs(**cfg, dtype=torch.float64)
@@ -108,7 +109,7 @@ def module_doc_reference(cfg, cu, window=None):
     q, k = (x @ w["q_proj"].t()).view(B, S, -1, d), (x @ w["k_proj"].t()).view(B, S, -1, d)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = (x @ w["v_proj"].t()).view(B, S, -1, d)
-    y = masked_attention(q, k, v, doc_mask(cu, S, True, window)).flatten(2) @ w["o_proj"].t()
+    y = attend(q, k, v, doc_mask(cu, S, True, window)).flatten(2) @ w["o_proj"].t()
     y.backward(dy)
     return {"y": y.detach(), "dx": x.grad, **{n: t.grad for n, t in w.items()}}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from document_workers import doc_mask
+from document_workers import doc_mask, module_doc_reference
 from usp_workers import mesh_of
 from workers import MODULE_ARGS, make_module_inputs, make_qkv, make_weights
 
@@ -114,24 +114,14 @@ WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 def module_reference(cfg, cu, window=None):
     """y, dx, weight and sink gradients of the attention layer with sinks in fp64; RoPE
-    positions restart per document."""
-    from upipe.rope import apply_rope, rope_cos_sin
-
-    x, dy, _ = make_module_inputs(**cfg, dtype=torch.float64)
-    w = {n: t.double().requires_grad_() for n, t in make_weights(cfg).items()}
+    positions restart per document (`document_workers.module_doc_reference`)."""
     sinks = make_sinks(cfg["num_heads"]).requires_grad_()
-    x.requires_grad_()
-    B, S, _ = x.shape
-    d = cfg["dim"] // cfg["num_heads"]
-    pos = document_positions(cu, S)[None].expand(B, S)
-    cos, sin = rope_cos_sin(pos, d, dtype=torch.float64)
-    q, k = (x @ w["q_proj"].t()).view(B, S, -1, d), (x @ w["k_proj"].t()).view(B, S, -1, d)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    v = (x @ w["v_proj"].t()).view(B, S, -1, d)
-    out = sink_attention(q, k, v, doc_mask(cu, S, True, window), sinks)
-    y = out.flatten(2) @ w["o_proj"].t()
-    y.backward(dy)
-    return {"y": y.detach(), "dx": x.grad, "sinks": sinks.grad, **{n: t.grad for n, t in w.items()}}
+
+    def attend(q, k, v, allowed):
+        return sink_attention(q, k, v, allowed, sinks)
+
+    ref = module_doc_reference(cfg, cu, window, attend)
+    return {**ref, "sinks": sinks.grad}
 
 
 def _module(cfg, kwargs, where, emulate=False):
