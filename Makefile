@@ -6,6 +6,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_INDEX ?=
+# two pytest workers (the CI machine's two cores; WORKERS=n for another count, 0 for one
+# process): the tests of the shared gloo clusters on one, the rest shared out (tests/conftest.py)
+WORKERS ?= 2
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,11 +28,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 # the edit loop: all but the tests marked slow (training runs, planner simulations, CLIs)
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m "not slow" -q --durations=10
+	$(PY) -m pytest -m "not slow" -q $(XDIST) --durations=10
 
 # the fast tier on another torch release, each in its own venv (.venv-torch2.11.0 for
 # TORCH=2.11.0): PyPI's build of it (on Linux x86_64 the CUDA build, several GB with its nvidia-*
@@ -40,7 +44,7 @@ test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.11.0 (a release in >=2.11,<2.16)" >&2; exit 2; }
 	$(MAKE) .venv-torch$(TORCH)/.installed
 	.venv-torch$(TORCH)/bin/python -c "import torch; print('torch', torch.__version__)"
-	.venv-torch$(TORCH)/bin/python -m pytest -q -m "not slow" --durations=10
+	.venv-torch$(TORCH)/bin/python -m pytest -q -m "not slow" $(XDIST) --durations=10
 
 .venv-torch%/.installed: pyproject.toml
 	python3 -m venv .venv-torch$*

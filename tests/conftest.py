@@ -80,3 +80,15 @@ def clusters():
     yield get
     for c in running.values():
         c.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every test that
+    uses the shared `clusters` runs on one worker, so that one set of gloo clusters is
+    started (each cluster's ranks import torch: seconds each) and two workers' clusters never
+    compete for the two cores; the other tests (unit tests, planner simulations, training
+    runs) are shared out between both workers."""
+    for item in items:
+        if "clusters" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("clusters"))
