@@ -20,7 +20,7 @@ LAYERS = {
     "base": (
         "upipe.torch_private", "upipe.kernels", "upipe.kernels_cuda", "upipe.kernels_select",
         "upipe.comm", "upipe.packing", "upipe.mesh",
-        "upipe.rope", "upipe.gemm", "upipe.comm_uneven",
+        "upipe.rope", "upipe.gemm",
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",
     ),
     # the strategies, and the public API that re-exports them

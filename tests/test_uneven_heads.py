@@ -29,7 +29,7 @@ from upipe.attention.schedule import (
     plan_schedule,
     valid_heads_per_stage,
 )
-from upipe.comm_uneven import head_to_seq_uneven, seq_to_head_uneven
+from upipe.comm import head_to_seq, seq_to_head
 
 FWD, BWD = TOL[torch.float32]["fwd"], TOL[torch.float32]["bwd"]
 
@@ -123,22 +123,22 @@ def _exchange_checks(rank, world_size, counts, layout):
     n, S = sum(counts), L * world_size
     full = torch.arange(B * S * n * d, dtype=torch.float64).view(B, S, n, d)
     x_BLnd = upipe.shard_sequence(full, group=group, layout=layout)
-    x_BSad = seq_to_head_uneven(x_BLnd, counts, group, layout)
+    x_BSad = seq_to_head(x_BLnd, group, layout, counts=counts)
     first = sum(counts[:rank])
     expected = full[:, :, first : first + counts[rank]]
-    back = head_to_seq_uneven(x_BSad, counts, group, layout)
+    back = head_to_seq(x_BSad, group, layout, counts=counts)
     w = torch.randn(
         x_BSad.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)
     )
     y = torch.randn(x_BLnd.shape, dtype=torch.float64)
     dots = torch.stack(
         [
-            (seq_to_head_uneven(y, counts, group, layout) * w).sum(),
-            (y * head_to_seq_uneven(w, counts, group, layout)).sum(),
+            (seq_to_head(y, group, layout, counts=counts) * w).sum(),
+            (y * head_to_seq(w, group, layout, counts=counts)).sum(),
         ]
     )
     dist.all_reduce(dots, group=group)
-    pending = seq_to_head_uneven(x_BLnd, counts, group, layout, async_op=True)
+    pending = seq_to_head(x_BLnd, group, layout, counts=counts, async_op=True)
     return {
         "to_head": torch.equal(x_BSad, expected),
         "roundtrip": torch.equal(back, x_BLnd),

@@ -52,7 +52,6 @@ from upipe.attention.stage import StageAttention
 from upipe.attention.staged_layer import DxAccumulator, FusedPlan, Prep, StagedLayer, staged
 from upipe.attention.upipe import accumulate, put_stage_sinks_, stage_sinks
 from upipe.comm import HeadExchange, Together
-from upipe.comm_uneven import to_seq
 from upipe.kernels import acc_dtype, resolve_backend, uses_cuda_kernels
 
 
@@ -76,7 +75,7 @@ def _forward(layer: StagedLayer, sinks_H=None):
             del q_BSud
             if sinks_H is not None:  # out' (in place) and lse'
                 lse_BuS = sinks.apply_(out_BSud, lse_BuS, stage_sinks(sinks_H, rnd, s, C, rank))
-            out_slices.append(to_seq(plan.ex, out_BSud, rnd.q_split(s)))
+            out_slices.append(plan.ex.to_seq(out_BSud, rnd.q_split(s)))
             del out_BSud
             lse_list.append(lse_BuS)
             stage_ids.append((rnd, s))
@@ -191,7 +190,7 @@ def _backward(dy, layer: StagedLayer, out_slices, lse_list, sinks_H=None):
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            dq_BLUd = to_seq(ex, dq_BSud, rnd.q_split(s))
+            dq_BLUd = ex.to_seq(dq_BSud, rnd.q_split(s))
             del dq_BSud
             dq_BLUd, dnorm = layer.q_prep.backward(
                 dq_BLUd, x_ND, layer.q_rows(rnd, s), layer.q_bias(rnd, s)
@@ -219,7 +218,7 @@ def _send_back_kv(layer: StagedLayer, rnd, name, d32_BSkd, grads: _Grads, dx: Dx
     k preparation's backward, into dW, the bias gradient and dx. Frees the sum once sent."""
     N, D, d = layer.B * layer.L, layer.D, layer.d
     w_GdD, b_Gd = (layer.wk_GdD, layer.bk_Gd) if name == "k" else (layer.wv_GdD, layer.bv_Gd)
-    g_BLnd = to_seq(layer.plan.ex, d32_BSkd.to(layer.x.dtype), rnd.kv_split)
+    g_BLnd = layer.plan.ex.to_seq(d32_BSkd.to(layer.x.dtype), rnd.kv_split)
     del d32_BSkd
     if name == "k":
         rows, b_rows = layer.kv_rows(w_GdD, rnd), layer.kv_bias(b_Gd, rnd)

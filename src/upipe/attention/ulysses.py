@@ -38,7 +38,6 @@ from upipe.attention.common import (
 )
 from upipe.attention.stage import SegmentedAttention, StageAttention
 from upipe.comm import HeadExchange
-from upipe.comm_uneven import to_head, to_seq
 from upipe.kernels import acc_dtype
 
 
@@ -59,23 +58,23 @@ class _Exchanges:
     def q_to_head(self, t_BLHd):
         if self.split is None:
             return self.ex.to_head(t_BLHd)
-        return to_head(self.ex, t_BLHd, uneven.counts(self.split.q))
+        return self.ex.to_head(t_BLHd, uneven.counts(self.split.q))
 
     def kv_to_head(self, t_BLGd):
         if self.split is None:
             return self.ex.to_head(t_BLGd)
         sent = uneven.gather(t_BLGd, 2, self.split.kv) if self.split.kv_shared else t_BLGd
-        return to_head(self.ex, sent, uneven.counts(self.split.kv))
+        return self.ex.to_head(sent, uneven.counts(self.split.kv))
 
     def q_to_seq(self, t_BShd):
         if self.split is None:
             return self.ex.to_seq(t_BShd)
-        return to_seq(self.ex, t_BShd, uneven.counts(self.split.q))
+        return self.ex.to_seq(t_BShd, uneven.counts(self.split.q))
 
     def kv_to_seq(self, t_BSkd, G):
         if self.split is None:
             return self.ex.to_seq(t_BSkd)
-        t_BLnd = to_seq(self.ex, t_BSkd, uneven.counts(self.split.kv))
+        t_BLnd = self.ex.to_seq(t_BSkd, uneven.counts(self.split.kv))
         if not self.split.kv_shared:
             return t_BLnd
         B, L, _, d = t_BLnd.shape  # each rank's copy of a shared kv head adds up, in fp32

@@ -56,7 +56,6 @@ from upipe.attention.schedule import (
 )
 from upipe.attention.stage import StageAttention
 from upipe.comm import HeadExchange
-from upipe.comm_uneven import to_head, to_seq
 from upipe.kernels import acc_dtype
 
 
@@ -105,15 +104,15 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn, sinks_H=None):
     lse_list = []
     C, rank = torch.distributed.get_world_size(ex.group), torch.distributed.get_rank(ex.group)
     for rnd in rounds:
-        k_BSkd = to_head(ex, _kv_heads(k_BLGd, rnd), rnd.kv_split)
-        v_BSkd = to_head(ex, _kv_heads(v_BLGd, rnd), rnd.kv_split)
+        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd), rnd.kv_split)
+        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd), rnd.kv_split)
         for s in range(len(rnd.stages)):
-            q_BSud = to_head(ex, _q_heads(q_BLHd, rnd, s), rnd.q_split(s))
+            q_BSud = ex.to_head(_q_heads(q_BLHd, rnd, s), rnd.q_split(s))
             out_BSud, lse_BuS = rnd.stage_attention(attn, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             if sinks_H is not None:  # out' (in place) and lse'
                 lse_BuS = sinks.apply_(out_BSud, lse_BuS, stage_sinks(sinks_H, rnd, s, C, rank))
-            put_q(out_BLHd, 2, rnd, s, to_seq(ex, out_BSud, rnd.q_split(s)))
+            put_q(out_BLHd, 2, rnd, s, ex.to_seq(out_BSud, rnd.q_split(s)))
             lse_list.append(lse_BuS)
         del k_BSkd, v_BSkd
     return out_BLHd, lse_list
@@ -134,12 +133,12 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
         dk_BLGd, dv_BLGd = torch.empty_like(k_BLGd), torch.empty_like(v_BLGd)
     lse_iter = iter(lse_list)
     for rnd in rounds:
-        k_BSkd = to_head(ex, _kv_heads(k_BLGd, rnd), rnd.kv_split)
-        v_BSkd = to_head(ex, _kv_heads(v_BLGd, rnd), rnd.kv_split)
+        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd), rnd.kv_split)
+        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd), rnd.kv_split)
         dk32_BSkd = dv32_BSkd = None
         for s in range(len(rnd.stages)):
             q_BSud, out_BSud, dout_BSud = (
-                to_head(ex, _q_heads(t, rnd, s), rnd.q_split(s))
+                ex.to_head(_q_heads(t, rnd, s), rnd.q_split(s))
                 for t in (q_BLHd, out_BLHd, dout_BLHd)
             )
             lse_BuS = next(lse_iter)
@@ -155,14 +154,14 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            put_q(dq_BLHd, 2, rnd, s, to_seq(ex, dq_BSud, rnd.q_split(s)))
+            put_q(dq_BLHd, 2, rnd, s, ex.to_seq(dq_BSud, rnd.q_split(s)))
         del k_BSkd, v_BSkd
         # the round's dk, dv go back once; each sum is freed as soon as it is sent
         kv_sums = [(dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)]
         del dk32_BSkd, dv32_BSkd
         while kv_sums:
             d_BLGd, d32_BSkd = kv_sums.pop(0)
-            d_BLkd = to_seq(ex, d32_BSkd.to(k_BLGd.dtype), rnd.kv_split)
+            d_BLkd = ex.to_seq(d32_BSkd.to(k_BLGd.dtype), rnd.kv_split)
             del d32_BSkd
             if replicated:  # fp32 sums of the replicas (bf16 parts, fp32 accumulator)
                 add_kv_(d_BLGd, 2, rnd, d_BLkd)
