@@ -17,10 +17,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from upipe.attention.schedule import Round, select_kv, select_q
+from upipe.attention.schedule import select_kv, select_q
 from upipe.attention.stage import StageAttention
 from upipe.comm import Done, HeadExchange
 from upipe.gemm import addmm_acc_
+from upipe.heads import Round
 from upipe.kernels import acc_dtype
 from upipe.rope import apply_rope, apply_rope_backward
 
@@ -30,7 +31,7 @@ class FusedPlan:
     """The static part of one fused call: what to run, where, and how."""
 
     rounds: tuple[Round, ...]
-    """the head schedule (`schedule.plan_schedule`: even or uneven rounds)"""
+    """the head schedule (`heads.plan_schedule`: even or uneven rounds)"""
     head_dim: int
     ex: HeadExchange
     """the Ulysses exchange (group and sequence layout)"""

@@ -3,7 +3,7 @@
 Legend: B batch, S full sequence, L = S / C local tokens, H query heads, G kv heads,
 U heads per stage, u = U / C query heads per rank per stage, k kv heads per rank per round,
 d head dim, C group size. Head schedule (rounds of kv heads, stages of query heads):
-schedule.py.
+`upipe.heads`; its slices of tensors: schedule.py.
 
 Forward, for each round: kv_BLkd (the round's kv heads) --seq_to_head--> kv_BSkd; then for
 each stage of the round:
@@ -13,11 +13,11 @@ Backward repeats the exchange per round and stage (q, k, v, out and dout slices 
 again), runs the kernel backward with the saved lse, sums dk/dv over the round's stages in
 fp32 and sends them back once per round.
 
-Heads C does not divide (`uneven.py`): each rank's own ceil(H/C) or floor(H/C) query
-heads, u per stage, with rounds of the kv heads they use; the exchanges take per-rank
-counts, the kernel runs per standard-GQA segment (`stage.SegmentedAttention`) and kv
-gradients are summed in fp32. The loops below are the same: the rounds (`schedule.Round`
-or `uneven.UnevenRound`) say which heads, counts and attention each stage has.
+Heads C does not divide (the uneven split of `upipe.heads`): each rank's own ceil(H/C) or
+floor(H/C) query heads, u per stage, with rounds of the kv heads they use; the exchanges take
+per-rank counts, the kernel runs per standard-GQA segment (`stage.SegmentedAttention`) and
+kv gradients are summed in fp32. The loops below are the same: the rounds (`heads.Round` or
+`heads.UnevenRound`) say which heads, counts and attention each stage has.
 
 Live at a time: one round's kv buffers and one stage's buffers -- the head-proportional
 intermediates shrink by U / H against Ulysses. Saved for backward: only lse (q, k, v and
@@ -45,17 +45,11 @@ from upipe.attention.common import (
     resolve_groups,
     validate_qkv,
 )
-from upipe.attention.schedule import (
-    add_kv_,
-    check_heads_per_stage,
-    plan_schedule,
-    put_kv,
-    put_q,
-    select_kv,
-    select_q,
-)
+from upipe.attention.registry import STRATEGIES
+from upipe.attention.schedule import add_kv_, put_kv, put_q, select_kv, select_q, stage_attention
 from upipe.attention.stage import StageAttention
 from upipe.comm import HeadExchange
+from upipe.heads import check_heads_per_stage, plan_schedule
 from upipe.kernels import acc_dtype
 
 
@@ -108,7 +102,7 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn, sinks_H=None):
         v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd), rnd.kv_split)
         for s in range(len(rnd.stages)):
             q_BSud = ex.to_head(_q_heads(q_BLHd, rnd, s), rnd.q_split(s))
-            out_BSud, lse_BuS = rnd.stage_attention(attn, s).forward(q_BSud, k_BSkd, v_BSkd)
+            out_BSud, lse_BuS = stage_attention(attn, rnd, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             if sinks_H is not None:  # out' (in place) and lse'
                 lse_BuS = sinks.apply_(out_BSud, lse_BuS, stage_sinks(sinks_H, rnd, s, C, rank))
@@ -146,7 +140,7 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
                 sink_u = stage_sinks(sinks_H, rnd, s, C, rank)
                 dsink_u = sinks.grad(dout_BSud, out_BSud, lse_BuS, sink_u)
                 put_stage_sinks_(dsinks_H, rnd, s, C, rank, dsink_u)
-            dq_BSud, dk_BSkd, dv_BSkd = rnd.stage_attention(attn, s).backward(
+            dq_BSud, dk_BSkd, dv_BSkd = stage_attention(attn, rnd, s).backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_BuS
             )
             del lse_BuS
@@ -225,10 +219,10 @@ def upipe_attention(
     default "zigzag"), the all-to-alls run over the ulysses dim (C = its size) and each
     stage's attention is ring attention over the ring dim. Exactly one of group/mesh.
     `heads_per_stage` (U) defaults to C (one head per rank per stage); any multiple of C that
-    divides H and fits the GQA schedule (see `upipe.attention.schedule`); U = H is plain
+    divides H and fits the GQA schedule (see `upipe.heads`); U = H is plain
     Ulysses. G may be smaller than C (kv heads are replicated) if it divides C. Other head
     counts (C not dividing H, or G and C not dividing one another; C <= H) are split
-    unevenly (`upipe.attention.uneven`): U is then any multiple of C up to C * ceil(H / C),
+    unevenly (`upipe.heads`): U is then any multiple of C up to C * ceil(H / C),
     u = U / C of each rank's ceil(H/C) or floor(H/C) heads per stage.
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
     tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
@@ -256,12 +250,11 @@ def upipe_attention(
         q,
         k,
         v,
+        strategy=STRATEGIES["upipe"],
         group=ulysses,
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
-        replicate_kv=True,
-        uneven=True,
         extra=extra,
         extra_signature={"heads_per_stage": heads_per_stage, "layout": layout, **docs.signature()},
         agree=agree,
