@@ -129,7 +129,8 @@ class ModelMethod:
                 problem = str(e)
         elif problem is None:
             strategy = "ulysses" if self.attention == "upipe-ulysses" else "upipe"
-            problem = check_heads(strategy, H, G, C, size="number of ranks")
+            words = dict(size="number of ranks", query="--heads", whole="ring attention")
+            problem = check_heads(strategy, H, G, C, **words)
         return problem and f"{self.name}: {problem}"
 
     def build(self, base, group):
