@@ -421,16 +421,10 @@ def contiguous_stages(H: int, G: int, C: int, U: int | None) -> list[tuple[int, 
     if problem:
         raise ValueError(f"{problem}; valid heads_per_stage for H={H}, G={G}, C={C}: {valid}")
     h = U // C
+    ranges = [[kv_range(first + r * h, h, g) for r in range(C)] for first in range(0, H, U)]
     return [
-        (
-            first,
-            [
-                i
-                for r in range(C)
-                for i in range((first + r * h) // g, (first + r * h + h - 1) // g + 1)
-            ],
-        )
-        for first in range(0, H, U)
+        (first, [i for lo, n in kv for i in range(lo, lo + n)])
+        for first, kv in zip(range(0, H, U), ranges, strict=True)
     ]
 
 

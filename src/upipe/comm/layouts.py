@@ -11,7 +11,7 @@ For S tokens on C ranks (`LAYOUTS`):
                   same amount of work in ring attention (an early and a late chunk each).
 
     shard_sequence:    t [B, S, ...] (whole, the same on every rank) -> t [B, L, ...], this
-                       rank's tokens in `layout` (a copy; not differentiable through ranks)
+                       rank's tokens in `layout` (a copy; backward: local, through slices)
     unshard_sequence:  t [B, L, ...] -> t [B, S, ...] in token order (an all-gather; the
                        inverse; not differentiable: for outputs and checks)
     sequence_positions: the global positions [L] of a rank's tokens, so that
@@ -109,7 +109,8 @@ def shard_sequence(
     chunks r and 2C-1-r of 2C equal chunks, concatenated. mesh= (2-D; default "zigzag"):
     the ring rank's part in `layout`, then this ulysses rank's contiguous block of it.
     Exactly one of group/mesh. `t` is the full tensor, identical on every rank. Returns a
-    contiguous copy.
+    contiguous copy: `[B, S, ...] -> [B, L, ...]` (dim 1). No communication; backward (local
+    autograd through slices) puts the gradient at this rank's tokens, zeros elsewhere.
     """
     layout, levels = _layout_and_groups(group, mesh, layout)
     if mesh is not None:
@@ -136,9 +137,9 @@ def unshard_sequence(
 ) -> torch.Tensor:
     """Gather every rank's part back into the full tensor along `dim`, in token order.
 
-    The inverse of `shard_sequence` with the same group or mesh and `layout` (on a mesh: an
-    all-gather over the ulysses dim, then over the ring dim); not differentiable (use it for
-    outputs and checks).
+    The inverse of `shard_sequence` with the same group or mesh and `layout`: `[B, L, ...]
+    -> [B, S, ...]` (dim 1), an all-gather (on a mesh: over the ulysses dim, then over the
+    ring dim); not differentiable (use it for outputs and checks).
     """
     layout, levels = _layout_and_groups(group, mesh, layout)
     check_layout_name(layout)
