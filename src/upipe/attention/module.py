@@ -136,7 +136,8 @@ class ContextParallelAttention(nn.Module):
         # the sequence layout: of the group (1-D), or of the mesh's ring dim (2-D)
         self.group, self.mesh = ulysses, mesh
         self.layout = layout or (spec.layout if mesh is None else "zigzag")
-        self.strategy, self.spec, self.heads_per_stage = strategy, spec, heads_per_stage
+        self.strategy, self.heads_per_stage = strategy, heads_per_stage
+        self._op = spec.op  # the strategy's functional op, resolved once
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
             hidden_size,
             num_heads,
@@ -289,7 +290,7 @@ class ContextParallelAttention(nn.Module):
         kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, window=self.window)
         kw["sinks"] = self.sinks
         if self.mesh is None:
-            out = self.spec.op(q, k, v, group=self.group, layout=self.layout, **kw)
+            out = self._op(q, k, v, group=self.group, layout=self.layout, **kw)
         else:  # ulysses on a mesh: USP
             out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
         return self.o_proj(out.flatten(2))

@@ -17,7 +17,6 @@ heads at all) and words it for the caller.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from collections.abc import Callable
 
@@ -31,10 +30,8 @@ WHOLE = "whole"  # whole heads on every rank (the sequence is split, never the h
 # does not divide H or G the heads are split unevenly (`upipe.heads`).
 
 
-@functools.cache
-def _import(path: str) -> Callable:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+_OPS: dict[str, Callable] = {}
+"""The ops named by path, each imported once (a plain dict, which torch.compile traces)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +75,12 @@ class Strategy:
         layout, cu_seqlens, window, sinks)` (every op takes document boundaries,
         `upipe.attention.documents`, a sliding window, `upipe.attention.window`, and sinks,
         `upipe.attention.sinks`), or None."""
-        return _import(self.impl) if isinstance(self.impl, str) else self.impl
+        if not isinstance(self.impl, str):
+            return self.impl
+        if self.impl not in _OPS:
+            module, _, name = self.impl.partition(":")
+            _OPS[self.impl] = getattr(importlib.import_module(module), name)
+        return _OPS[self.impl]
 
     @property
     def context_parallel(self) -> bool:
