@@ -26,7 +26,7 @@ from jax_workers import (  # noqa: E402
 )
 from workers import make_qkv, module_reference, reference, run_module
 
-from upipe.attention.schedule import valid_heads_per_stage
+from upipe.heads import valid_heads_per_stage
 from upipe.launch import LocalCluster
 
 FWD, BWD = TOL[torch.float32]["fwd"], TOL[torch.float32]["bwd"]

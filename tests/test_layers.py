@@ -1,10 +1,17 @@
 """The layers of upipe: every import points to the same or a lower layer, and no module
 imports one that imports it back. Module-level and function-level imports alike, read from
-the sources with `ast` (nothing is imported), so a lazy import cannot hide an upward edge."""
+the sources with `ast` (nothing is imported), so a lazy import cannot hide an upward edge.
+Also the bottom's shape: communication in `upipe.comm` only (one head exchange), the head
+rules torch-free in `upipe.heads`, and `upipe.jax` loading without torch."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +21,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A package covers its submodules (unless one is listed itself); the root
 # package `upipe` covers only its own __init__ (the public API).
 LAYERS = {
-    # local attention kernels, communication, document boundaries, mesh, RoPE, GEMMs, the
+    # local attention kernels, communication (layouts, the head exchange, ring send/recv),
+    # the head rules and plans (torch-free), document boundaries, mesh, RoPE, GEMMs, the
     # loops that repeat their memory, the spawned-ranks launcher, memory measurement (tracker,
     # closed forms, fake process group), line plots
     "base": (
         "upipe.torch_private", "upipe.kernels", "upipe.kernels_cuda", "upipe.kernels_select",
-        "upipe.comm", "upipe.packing", "upipe.mesh",
-        "upipe.rope", "upipe.gemm", "upipe.comm_uneven",
+        "upipe.comm", "upipe.heads", "upipe.packing", "upipe.mesh",
+        "upipe.rope", "upipe.gemm",
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",
     ),
     # the strategies, and the public API that re-exports them
@@ -144,3 +152,114 @@ def test_loops_are_called_through_the_module():
         if isinstance(node, ast.ImportFrom) and node.module == "upipe.loops"
     ]
     assert not early, f"`from upipe.loops import ...` in {early}; use `from upipe import loops`"
+
+
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    return ast.parse(MODULES[module].read_text())
+
+
+def test_nothing_below_attention_imports_it():
+    """The base layer (kernels, comm, heads, ...) knows no strategy: no import of
+    `upipe.attention` or anything in it, at any depth of the source."""
+    below = [m for m in MODULES if _layer(m) < LEVEL["upipe.attention"]]
+    bad = {
+        m: sorted(
+            t for t in _imports(m) if t == "upipe.attention" or t.startswith("upipe.attention.")
+        )
+        for m in below
+    }
+    assert not {m: t for m, t in bad.items() if t}, bad
+
+
+COLLECTIVES = {  # torch.distributed calls that move a strategy's data, and their one home
+    "all_to_all_single": "upipe.comm.exchange",
+    "all_to_all": "upipe.comm.exchange",
+    "batch_isend_irecv": "upipe.comm.ring",
+}
+
+
+def test_communication_lives_in_comm():
+    """One head exchange (even and uneven splits alike, `upipe.comm.exchange`) and one ring
+    exchange (`upipe.comm.ring`): no other module calls those collectives; `comm_uneven`,
+    the uneven exchange's old second home, is gone; nothing reaches into `upipe.comm` for a
+    private helper."""
+    calls = {
+        (node.func.attr, module)
+        for module in MODULES
+        if module.startswith("upipe.") and not module.startswith("upipe.jax")
+        for node in ast.walk(_tree(module))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in COLLECTIVES
+    }
+    assert not [(name, m) for name, m in calls if COLLECTIVES[name] != m], calls
+    assert {
+        ("all_to_all_single", "upipe.comm.exchange"),
+        ("batch_isend_irecv", "upipe.comm.ring"),
+    } <= calls
+    assert "upipe.comm_uneven" not in MODULES
+    assert not (SRC / "upipe" / "comm_uneven.py").exists()
+    private = [
+        (module, alias.name)
+        for module in MODULES
+        for node in ast.walk(_tree(module))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("upipe.comm")
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert not private, f"private helpers of upipe.comm imported elsewhere: {private}"
+
+
+def _closure(start: set[str]) -> set[str]:
+    """`start` and every upipe module they import, transitively (function-level imports too)."""
+    seen, todo = set(), list(start)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += _imports(module)
+    return seen
+
+
+def _imports_torch(module: str) -> bool:
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "torch" for a in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_heads_and_jax_need_no_torch_in_their_sources():
+    """`upipe.heads` and everything `upipe.jax` imports (with the packages above them, whose
+    `__init__` runs first) import no torch anywhere in their sources."""
+    jax = {m for m in MODULES if m == "upipe.jax" or m.startswith("upipe.jax.")}
+    needed = _closure(jax | {"upipe.heads", "upipe"})
+    assert "upipe.heads" in _closure(jax)  # the port plans its stages with the library's rules
+    assert not [m for m in sorted(needed) if _imports_torch(m)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs the jax extra")
+def test_jax_imports_without_torch():
+    """In a fresh interpreter where `import torch` fails, `import upipe.jax` works and loads
+    no torch module (a JAX user needs no PyTorch)."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # import torch raises ImportError\n"
+        "import upipe.jax, upipe.heads\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.')))\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    env["JAX_PLATFORMS"] = "cpu"
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import upipe
-from upipe.attention.schedule import plan_rounds, valid_heads_per_stage
+from upipe.heads import plan_rounds, valid_heads_per_stage
 from upipe.memory.model import LayerShape, ulysses_peak_units, upipe_peak_units
 from upipe.memory.simulate import fake_process_group
 

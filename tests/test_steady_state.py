@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import rel_err
 
-from upipe.attention.schedule import plan_rounds
+from upipe.heads import plan_rounds
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from upipe.attention.schedule import plan_rounds
+from upipe.heads import plan_rounds
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "step_time_model.py"
 _spec = importlib.util.spec_from_file_location("step_time_model", SCRIPT)

@@ -1,5 +1,5 @@
 """Head counts the group size does not divide (H or G; e.g. 28 query / 4 kv heads on 8
-ranks): Ulysses, UPipe and USP split them unevenly (`upipe.attention.uneven`) and still
+ranks): Ulysses, UPipe and USP split them unevenly (`upipe.heads`) and still
 compute exact attention, forward and backward, against the float64 reference."""
 
 import pytest
@@ -21,15 +21,15 @@ from workers import (
 )
 
 import upipe
-from upipe.attention import uneven
+from upipe import heads
 from upipe.attention.registry import check_heads, heads_problem
-from upipe.attention.schedule import (
+from upipe.comm import head_to_seq, seq_to_head
+from upipe.heads import (
     check_heads_per_stage,
     plan_rounds,
     plan_schedule,
     valid_heads_per_stage,
 )
-from upipe.comm_uneven import head_to_seq_uneven, seq_to_head_uneven
 
 FWD, BWD = TOL[torch.float32]["fwd"], TOL[torch.float32]["bwd"]
 
@@ -37,15 +37,15 @@ FWD, BWD = TOL[torch.float32]["fwd"], TOL[torch.float32]["bwd"]
 
 
 def test_query_and_kv_ranges_of_qwen25_7b_on_8():
-    q = uneven.query_ranges(28, 8)
-    assert uneven.counts(q) == (4, 4, 4, 4, 3, 3, 3, 3)
+    q = heads.query_ranges(28, 8)
+    assert heads.counts(q) == (4, 4, 4, 4, 3, 3, 3, 3)
     assert [s for s, _ in q] == [0, 4, 8, 12, 16, 19, 22, 25]
-    kv = [uneven.kv_range(s, n, 7) for s, n in q]  # g = 28 / 4 = 7
+    kv = [heads.kv_range(s, n, 7) for s, n in q]  # g = 28 / 4 = 7
     assert kv == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 1)]
     # rank 1: heads 4, 5, 6 use kv head 0, head 7 kv head 1: two kernel calls
-    assert uneven.segments(q[1], kv[1], 7) == ((0, 3, 0, 1), (3, 1, 1, 1))
-    assert uneven.segments(q[0], kv[0], 7) == ((0, 4, 0, 1),)  # standard: one call
-    assert uneven.segments((0, 4), (0, 2), 2) == ((0, 4, 0, 2),)  # standard GQA, merged
+    assert heads.segments(q[1], kv[1], 7) == ((0, 3, 0, 1), (3, 1, 1, 1))
+    assert heads.segments(q[0], kv[0], 7) == ((0, 4, 0, 1),)  # standard: one call
+    assert heads.segments((0, 4), (0, 2), 2) == ((0, 4, 0, 2),)  # standard GQA, merged
 
 
 SCHEDULES = [  # (H, G, C, U)
@@ -65,7 +65,7 @@ SCHEDULES = [  # (H, G, C, U)
 @pytest.mark.parametrize("H,G,C,U", SCHEDULES)
 def test_uneven_plan_runs_every_head_once_with_its_kv_head(H, G, C, U):
     g = H // G
-    q = uneven.query_ranges(H, C)
+    q = heads.query_ranges(H, C)
     plans = [plan_schedule(H, G, C, U, r) for r in range(C)]
     assert all(len(p) == len(plans[0]) for p in plans)
     seen = [0] * H
@@ -93,7 +93,7 @@ def test_uneven_plan_runs_every_head_once_with_its_kv_head(H, G, C, U):
 def test_even_heads_keep_the_even_schedule():
     for H, G, C, U in ((16, 4, 4, 4), (8, 1, 4, 4), (8, 8, 2, 4)):
         assert all(plan_schedule(H, G, C, U, r) is plan_rounds(H, G, C, U) for r in range(C))
-    assert uneven.ulysses_split(16, 4, 4, 0) is None
+    assert heads.ulysses_split(16, 4, 4, 0) is None
 
 
 def test_head_rules():
@@ -123,22 +123,22 @@ def _exchange_checks(rank, world_size, counts, layout):
     n, S = sum(counts), L * world_size
     full = torch.arange(B * S * n * d, dtype=torch.float64).view(B, S, n, d)
     x_BLnd = upipe.shard_sequence(full, group=group, layout=layout)
-    x_BSad = seq_to_head_uneven(x_BLnd, counts, group, layout)
+    x_BSad = seq_to_head(x_BLnd, group, layout, counts=counts)
     first = sum(counts[:rank])
     expected = full[:, :, first : first + counts[rank]]
-    back = head_to_seq_uneven(x_BSad, counts, group, layout)
+    back = head_to_seq(x_BSad, group, layout, counts=counts)
     w = torch.randn(
         x_BSad.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)
     )
     y = torch.randn(x_BLnd.shape, dtype=torch.float64)
     dots = torch.stack(
         [
-            (seq_to_head_uneven(y, counts, group, layout) * w).sum(),
-            (y * head_to_seq_uneven(w, counts, group, layout)).sum(),
+            (seq_to_head(y, group, layout, counts=counts) * w).sum(),
+            (y * head_to_seq(w, group, layout, counts=counts)).sum(),
         ]
     )
     dist.all_reduce(dots, group=group)
-    pending = seq_to_head_uneven(x_BLnd, counts, group, layout, async_op=True)
+    pending = seq_to_head(x_BLnd, group, layout, counts=counts, async_op=True)
     return {
         "to_head": torch.equal(x_BSad, expected),
         "roundtrip": torch.equal(back, x_BLnd),

@@ -19,7 +19,7 @@ from workers import (
     run_module_layout,
 )
 
-from upipe.attention.schedule import plan_rounds, valid_heads_per_stage
+from upipe.heads import plan_rounds, valid_heads_per_stage
 
 FWD, BWD = TOL[torch.float32]["fwd"], TOL[torch.float32]["bwd"]
 

@@ -24,8 +24,8 @@ from usp_workers import (
 )
 from workers import make_qkv, module_reference, reference
 
-from upipe.attention.schedule import valid_heads_per_stage
 from upipe.comm import sequence_positions
+from upipe.heads import valid_heads_per_stage
 
 FWD, BWD = TOL[torch.float32]["fwd"], TOL[torch.float32]["bwd"]
 NAMES = ("out", "dq", "dk", "dv")

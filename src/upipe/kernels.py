@@ -56,6 +56,7 @@ import math
 import torch
 
 from upipe import kernels_cuda, kernels_select
+from upipe.heads import kv_problem
 from upipe.kernels_cuda import expand_kv, sum_kv
 from upipe.kernels_select import CUDA_KERNELS, HALF, KERNELS, auto_kernel, kernel_problem
 from upipe.torch_private import aten_op
@@ -131,8 +132,9 @@ def _check(q, k, v, causal):
     B, S, H, d = q.shape
     if k.shape[0] != B or k.shape[3] != d:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim")
-    if H % k.shape[2]:
-        raise ValueError(f"kv heads ({k.shape[2]}) must divide query heads ({H})")
+    problem = kv_problem(H, k.shape[2])
+    if problem:
+        raise ValueError(problem)
     if causal and k.shape[1] != S:
         raise ValueError(
             f"causal attention needs equal query ({S}) and key ({k.shape[1]}) lengths; "

@@ -29,14 +29,11 @@ import torch.distributed as dist
 from upipe.attention.sinks import check_sinks
 from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
+from upipe.heads import few_heads_problem, kv_problem
 from upipe.kernels import check_kernel
 from upipe.mesh import check_mesh, validation_group
 from upipe.packing import check_cu_seqlens
 from upipe.torch_private import saved_tensor_hooks_active
-
-
-def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
 
 
 def check_group(group) -> int:
@@ -49,25 +46,12 @@ def check_group(group) -> int:
     return dist.get_world_size(group)
 
 
-def check_qkv_local(
-    q,
-    k,
-    v,
-    *,
-    C: int,
-    causal,
-    softmax_scale,
-    backend,
-    replicate_kv: bool,
-    size_name=None,
-    uneven: bool = False,
-):
+def check_qkv_local(q, k, v, *, C: int, causal, softmax_scale, backend, size_name=None):
     """Checks one rank can make without talking to the others. Raises TypeError/ValueError.
 
-    Heads are split over C ranks, called `size_name` in messages (default: the
-    context-parallel size; on a mesh, the ulysses size). With `uneven` the strategy splits
-    any head counts (`upipe.attention.uneven`): it only needs C <= H."""
-    cp = size_name or "context-parallel size"
+    Heads are split over C ranks (C = 1: whole heads on every rank), called `size_name` in
+    messages (default: the context-parallel size; on a mesh, the ulysses size): any G
+    dividing H with C <= H (`upipe.heads`; heads C does not divide are split unevenly)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -94,33 +78,10 @@ def check_qkv_local(
         raise ValueError(f"head dims differ: q has {d}, k/v have {dk}")
     if L == 0 or B == 0:
         raise ValueError(f"empty input: q has shape {tuple(q.shape)}")
-    if H % G:
-        raise ValueError(
-            f"kv heads ({G}) must divide query heads ({H}); valid kv head counts: {_divisors(H)}"
-        )
-    if uneven:
-        if H < C:
-            raise ValueError(
-                f"query heads ({H}) must be at least the {cp} ({C}): every rank gets at least "
-                f"one head; use a size of at most {H}, or ring attention (whole heads on every "
-                f"rank)"
-            )
-    elif H % C:
-        raise ValueError(
-            f"query heads ({H}) must be divisible by the {cp} ({C}); use a size in {_divisors(H)}"
-        )
-    elif replicate_kv:
-        if G % C and C % G:
-            raise ValueError(
-                f"kv heads ({G}) and the {cp} ({C}) must divide one another "
-                f"(kv heads are split across ranks, or replicated when fewer); use a size in "
-                f"{sorted(set(_divisors(G)) | {m for m in _divisors(H) if m % G == 0})}"
-            )
-    elif G % C:
-        raise ValueError(
-            f"kv heads ({G}) must be divisible by the {cp} ({C}); use a size "
-            f"in {_divisors(G)}, or upipe_attention, which replicates kv heads when G < C"
-        )
+    size = size_name or "context-parallel size"
+    problem = kv_problem(H, G) or few_heads_problem(H, C, size=size)
+    if problem:
+        raise ValueError(problem)
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be positive or None, got {softmax_scale}")
     check_kernel(backend, q.device, q.dtype, d)  # the kernel runs here (name, package, limits)
@@ -261,29 +222,26 @@ def validate_qkv(
     k,
     v,
     *,
+    strategy,
     group,
     causal,
     softmax_scale,
     backend,
-    replicate_kv,
     extra=None,
     extra_signature=None,
     agree=None,
-    split_heads=True,
-    uneven=False,
     window=None,
     sinks=None,
 ):
     """Full validation of a strategy's (q, k, v) on every rank.
 
-    Heads are split over `group` (its size C), unless `split_heads` is False (ring
-    attention keeps whole heads on every rank). The verdict is exchanged over `group`, or
-    over `agree` = (group, cohort) from `resolve_groups` on a mesh (messages then call C
-    the ulysses size). `extra_signature` adds
-    options all ranks must agree on. `extra` is an optional callable(C) with
-    strategy-specific local checks, called once the common checks passed (so q, k, v are
-    valid 4-D tensors by then). `uneven`: the strategy splits heads unevenly where C does not
-    divide them (`check_qkv_local`). `window`: the strategy's sliding window
+    `strategy`: the op's registry entry (`registry.Strategy`): its heads are split over
+    `group` (its size C) if it splits heads (`splits_heads`), else whole on every rank (ring
+    attention). The verdict is exchanged over `group`, or over `agree` = (group, cohort)
+    from `resolve_groups` on a mesh (messages then call C the ulysses size).
+    `extra_signature` adds options all ranks must agree on. `extra` is an optional
+    callable(C) with strategy-specific local checks, called once the common checks passed
+    (so q, k, v are valid 4-D tensors by then). `window`: the strategy's sliding window
     (`upipe.attention.window.check_window`), which all ranks must agree on. `sinks`: the
     attention sinks (`upipe.attention.sinks.check_sinks`: `[H]`, floating, on q's device),
     whose presence all ranks must agree on.
@@ -295,13 +253,11 @@ def validate_qkv(
             q,
             k,
             v,
-            C=C if split_heads else 1,
+            C=C if strategy.splits_heads else 1,
             causal=causal,
             softmax_scale=softmax_scale,
             backend=backend,
-            replicate_kv=replicate_kv,
             size_name=None if agree is None else "ulysses size",
-            uneven=uneven and split_heads,
         )
         check_window(window, causal)
         check_sinks(sinks, q.shape[2], q.device)

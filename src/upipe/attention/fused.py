@@ -47,12 +47,11 @@ import torch
 
 from upipe.attention import kept, sinks
 from upipe.attention.common import save_for_backward, saved_for_backward
-from upipe.attention.schedule import add_kv_, put_q
+from upipe.attention.schedule import add_kv_, put_q, stage_attention
 from upipe.attention.stage import StageAttention
 from upipe.attention.staged_layer import DxAccumulator, FusedPlan, Prep, StagedLayer, staged
 from upipe.attention.upipe import accumulate, put_stage_sinks_, stage_sinks
 from upipe.comm import HeadExchange, Together
-from upipe.comm_uneven import to_seq
 from upipe.kernels import acc_dtype, resolve_backend, uses_cuda_kernels
 
 
@@ -72,11 +71,11 @@ def _forward(layer: StagedLayer, sinks_H=None):
         k_BSkd, v_BSkd = layer.kv(rnd)
         stages = staged(len(rnd.stages), functools.partial(layer.q, rnd), plan.overlap)
         for s, q_BSud in stages:
-            out_BSud, lse_BuS = rnd.stage_attention(plan.attn, s).forward(q_BSud, k_BSkd, v_BSkd)
+            out_BSud, lse_BuS = stage_attention(plan.attn, rnd, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             if sinks_H is not None:  # out' (in place) and lse'
                 lse_BuS = sinks.apply_(out_BSud, lse_BuS, stage_sinks(sinks_H, rnd, s, C, rank))
-            out_slices.append(to_seq(plan.ex, out_BSud, rnd.q_split(s)))
+            out_slices.append(plan.ex.to_seq(out_BSud, rnd.q_split(s)))
             del out_BSud
             lse_list.append(lse_BuS)
             stage_ids.append((rnd, s))
@@ -183,7 +182,7 @@ def _backward(dy, layer: StagedLayer, out_slices, lse_list, sinks_H=None):
                 sink_u = stage_sinks(sinks_H, rnd, s, C, rank)
                 dsink_u = sinks.grad(dout_BSud, out_BSud, lse_BuS, sink_u)
                 put_stage_sinks_(dsinks_H, rnd, s, C, rank, dsink_u)
-            dq_BSud, dk_BSkd, dv_BSkd = rnd.stage_attention(plan.attn, s).backward(
+            dq_BSud, dk_BSkd, dv_BSkd = stage_attention(plan.attn, rnd, s).backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_BuS
             )
             del lse_BuS
@@ -191,7 +190,7 @@ def _backward(dy, layer: StagedLayer, out_slices, lse_list, sinks_H=None):
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            dq_BLUd = to_seq(ex, dq_BSud, rnd.q_split(s))
+            dq_BLUd = ex.to_seq(dq_BSud, rnd.q_split(s))
             del dq_BSud
             dq_BLUd, dnorm = layer.q_prep.backward(
                 dq_BLUd, x_ND, layer.q_rows(rnd, s), layer.q_bias(rnd, s)
@@ -219,7 +218,7 @@ def _send_back_kv(layer: StagedLayer, rnd, name, d32_BSkd, grads: _Grads, dx: Dx
     k preparation's backward, into dW, the bias gradient and dx. Frees the sum once sent."""
     N, D, d = layer.B * layer.L, layer.D, layer.d
     w_GdD, b_Gd = (layer.wk_GdD, layer.bk_Gd) if name == "k" else (layer.wv_GdD, layer.bv_Gd)
-    g_BLnd = to_seq(layer.plan.ex, d32_BSkd.to(layer.x.dtype), rnd.kv_split)
+    g_BLnd = layer.plan.ex.to_seq(d32_BSkd.to(layer.x.dtype), rnd.kv_split)
     del d32_BSkd
     if name == "k":
         rows, b_rows = layer.kv_rows(w_GdD, rnd), layer.kv_bias(b_Gd, rnd)
@@ -332,7 +331,7 @@ def fused_upipe_attention(
 
     x `[B, L, D]` (this rank's shard), weights in `torch.nn.Linear` layout (wq `[H*d, D]`,
     wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's global positions,
-    `rounds` from `upipe.attention.schedule.plan_schedule` (this rank's). `q_norm`/`k_norm`
+    `rounds` from `upipe.heads.plan_schedule` (this rank's). `q_norm`/`k_norm`
     (weights `[d]`): QK-norm, RMSNorm of each projected head before RoPE (Qwen3), recomputed
     in backward.
     `q_bias` `[H*d]`, `k_bias`/`v_bias` `[G*d]`: projection biases (Qwen2), added before

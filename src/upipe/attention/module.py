@@ -25,7 +25,6 @@ from torch import nn
 
 from upipe.attention.common import (
     DocumentsArg,
-    _divisors,
     agree_across_ranks,
     check_group,
     check_layout,
@@ -33,12 +32,12 @@ from upipe.attention.common import (
     resolve_groups,
 )
 from upipe.attention.fused import fused_upipe_attention
-from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strategy
-from upipe.attention.schedule import check_heads_per_stage, plan_schedule
+from upipe.attention.registry import check_heads, get_strategy, module_strategies
 from upipe.attention.sinks import check_sinks
 from upipe.attention.usp import usp_attention
 from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
+from upipe.heads import check_heads_per_stage, kv_problem, plan_schedule
 from upipe.kernels import BACKENDS, check_kernel
 from upipe.rope import apply_rope, rope_cos_sin
 
@@ -100,9 +99,9 @@ class ContextParallelAttention(nn.Module):
         if layout is not None:
             check_layout_name(layout)
         cp = "context-parallel size" if mesh is None else "ulysses size"
-        spec = get_strategy(strategy, MODULE_STRATEGIES)
+        spec = get_strategy(strategy, module_strategies())
         if mesh is not None and not spec.mesh:
-            on_mesh = [name for name in MODULE_STRATEGIES if get_strategy(name).mesh]
+            on_mesh = [name for name in module_strategies() if get_strategy(name).mesh]
             raise ValueError(f"strategy {strategy!r} takes group=; on a mesh use one of {on_mesh}")
         for name, val in (
             ("hidden_size", hidden_size),
@@ -120,12 +119,8 @@ class ContextParallelAttention(nn.Module):
             head_dim = hidden_size // num_heads
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings), got {head_dim}")
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}); valid: "
-                f"{_divisors(num_heads)}"
-            )
-        problem = check_heads(strategy, num_heads, num_kv_heads, C, size=cp)
+        problem = kv_problem(num_heads, num_kv_heads, query="num_heads", kv="num_kv_heads")
+        problem = problem or check_heads(spec, num_heads, num_kv_heads, C, size=cp)
         if problem:
             raise ValueError(problem)
         self.rounds = None  # the stage schedule of a staged strategy (upipe's fused op)
@@ -134,7 +129,7 @@ class ContextParallelAttention(nn.Module):
             rank = torch.distributed.get_rank(ulysses)
             self.rounds = plan_schedule(num_heads, num_kv_heads, C, heads_per_stage, rank)
         elif heads_per_stage is not None or overlap:
-            staged = [name for name in MODULE_STRATEGIES if get_strategy(name).heads_per_stage]
+            staged = [name for name in module_strategies() if get_strategy(name).heads_per_stage]
             what = "heads_per_stage" if heads_per_stage is not None else "overlap"
             raise ValueError(f"{what} applies to strategy={staged[0]!r} only")
         self.overlap = overlap
@@ -142,6 +137,7 @@ class ContextParallelAttention(nn.Module):
         self.group, self.mesh = ulysses, mesh
         self.layout = layout or (spec.layout if mesh is None else "zigzag")
         self.strategy, self.heads_per_stage = strategy, heads_per_stage
+        self._op = spec.op  # the strategy's functional op, resolved once
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
             hidden_size,
             num_heads,
@@ -294,8 +290,7 @@ class ContextParallelAttention(nn.Module):
         kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, window=self.window)
         kw["sinks"] = self.sinks
         if self.mesh is None:
-            op = get_strategy(self.strategy).op
-            out = op(q, k, v, group=self.group, layout=self.layout, **kw)
+            out = self._op(q, k, v, group=self.group, layout=self.layout, **kw)
         else:  # ulysses on a mesh: USP
             out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
         return self.o_proj(out.flatten(2))

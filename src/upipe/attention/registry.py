@@ -2,29 +2,36 @@
 
 Everything above the attention layer reads it: `ContextParallelAttention` (module.py), the
 trainer (`upipe.train`), the planner, the benchmark, the demo and the Hugging Face
-integration. Adding a strategy is its op in a file of its own plus one `Strategy` entry in
-`STRATEGIES` below (CONTRIBUTING.md has the checklist).
+integration; the ops read their own entry to validate their inputs
+(`common.validate_qkv`). Adding a strategy is its op in a file of its own plus one
+`Strategy` entry in `STRATEGIES` below (CONTRIBUTING.md has the checklist;
+tests/test_registry.py checks the promise with a strategy defined in the test).
 
-The head rules live here once: `heads_problem` says which one a head count breaks, and
-`check_heads` words it for the caller (constructor arguments or command-line options).
+An entry names its op by import path ("module:function"), imported on first use: the ops
+import this module for their entries, so this module imports none of them.
+
+The head rules are `upipe.heads`'; `check_heads` applies a strategy's (whether it splits
+heads at all) and words it for the caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 
-from upipe.attention.ring import ring_attention
-from upipe.attention.ulysses import ulysses_attention
-from upipe.attention.upipe import upipe_attention
-from upipe.attention.usp import usp_attention
+from upipe.heads import few_heads_problem
 
 # kv-head rules over C ranks (the ulysses size), and the rule of query heads:
 SPLIT = "split"  # kv heads go with their query heads (Ulysses: shared where a group straddles)
 REPLICATE = "replicate"  # as SPLIT, or replicated m = C / G times on an even split (UPipe)
 WHOLE = "whole"  # whole heads on every rank (the sequence is split, never the heads)
 # SPLIT and REPLICATE accept the same head counts: any G dividing H, with C <= H; where C
-# does not divide H or G the heads are split unevenly (`upipe.attention.uneven`).
+# does not divide H or G the heads are split unevenly (`upipe.heads`).
+
+
+_OPS: dict[str, Callable] = {}
+"""The ops named by path, each imported once (a plain dict, which torch.compile traces)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,12 +39,9 @@ class Strategy:
     """What a strategy needs from the code above it."""
 
     name: str
-    op: Callable | None
-    """The functional op `op(q, k, v, *, group | mesh, causal, softmax_scale, backend,
-    layout, cu_seqlens, window)` (every op takes document boundaries,
-    `upipe.attention.documents`, and a sliding window, `upipe.attention.window`);
-    None for "none" (no context parallelism: the model's own attention, which takes
-    `cu_seqlens` too)."""
+    impl: str | Callable | None
+    """The functional op (`op`), by import path "module:function" or itself; None for "none"
+    (no context parallelism: the model's own attention, which takes `cu_seqlens` too)."""
     group: bool
     """Takes a 1-D `group=` (C ranks)."""
     mesh: bool
@@ -66,14 +70,27 @@ class Strategy:
     """The trainer's name for this strategy on a mesh with ring > 1, if another one."""
 
     @property
+    def op(self) -> Callable | None:
+        """The functional op `op(q, k, v, *, group | mesh, causal, softmax_scale, backend,
+        layout, cu_seqlens, window, sinks)` (every op takes document boundaries,
+        `upipe.attention.documents`, a sliding window, `upipe.attention.window`, and sinks,
+        `upipe.attention.sinks`), or None."""
+        if not isinstance(self.impl, str):
+            return self.impl
+        if self.impl not in _OPS:
+            module, _, name = self.impl.partition(":")
+            _OPS[self.impl] = getattr(importlib.import_module(module), name)
+        return _OPS[self.impl]
+
+    @property
     def context_parallel(self) -> bool:
         """Whether the sequence is split at all (False: every rank holds whole sequences)."""
-        return self.op is not None
+        return self.impl is not None
 
     @property
     def splits_heads(self) -> bool:
         """Whether the query heads are split across the ulysses ranks (evenly where C divides
-        H and G, else `upipe.attention.uneven`)."""
+        H and G, else unevenly: `upipe.heads`)."""
         return self.kv_heads != WHOLE
 
 
@@ -81,11 +98,11 @@ STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
         Strategy(
-            name="none", op=None, group=False, mesh=False, layout="contiguous", kv_heads=WHOLE
+            name="none", impl=None, group=False, mesh=False, layout="contiguous", kv_heads=WHOLE
         ),
         Strategy(
             name="ulysses",
-            op=ulysses_attention,
+            impl="upipe.attention.ulysses:ulysses_attention",
             group=True,
             mesh=True,  # on a mesh the module runs usp_attention
             layout="contiguous",
@@ -95,7 +112,7 @@ STRATEGIES: dict[str, Strategy] = {
         ),
         Strategy(
             name="ring",
-            op=ring_attention,
+            impl="upipe.attention.ring:ring_attention",
             group=True,
             mesh=False,
             layout="zigzag",
@@ -106,7 +123,7 @@ STRATEGIES: dict[str, Strategy] = {
         ),
         Strategy(
             name="usp",
-            op=usp_attention,
+            impl="upipe.attention.usp:usp_attention",
             group=False,
             mesh=True,
             layout="zigzag",
@@ -117,7 +134,7 @@ STRATEGIES: dict[str, Strategy] = {
         ),
         Strategy(
             name="upipe",
-            op=upipe_attention,
+            impl="upipe.attention.upipe:upipe_attention",
             group=True,
             mesh=True,
             layout="contiguous",
@@ -129,8 +146,10 @@ STRATEGIES: dict[str, Strategy] = {
 }
 """Every strategy by name, in the order the planner reports them."""
 
-MODULE_STRATEGIES = tuple(name for name, s in STRATEGIES.items() if s.module == name)
-"""The strategies `ContextParallelAttention` takes."""
+
+def module_strategies() -> tuple[str, ...]:
+    """The strategies `ContextParallelAttention` takes (those that are their own `module`)."""
+    return tuple(name for name, s in STRATEGIES.items() if s.module == name)
 
 
 def get_strategy(name: str, choices=STRATEGIES) -> Strategy:
@@ -142,38 +161,35 @@ def get_strategy(name: str, choices=STRATEGIES) -> Strategy:
 
 def group_strategies() -> tuple[str, ...]:
     """The strategies whose op takes a 1-D group (the demo runs these)."""
-    return tuple(name for name, s in STRATEGIES.items() if s.group and s.op is not None)
+    return tuple(name for name, s in STRATEGIES.items() if s.group and s.context_parallel)
 
 
-def heads_problem(name: str, H: int, G: int, C: int) -> str | None:
-    """The head rule of strategy `name` that H query and G kv heads over C (ulysses) ranks
-    break: "heads" (fewer query heads than ranks, for a strategy that splits heads); None if
-    none. Head counts C does not divide are split unevenly (`upipe.attention.uneven`; the
-    largest rank holds ceil(H/C) heads). That G divides H is the model's rule, checked
-    where the model is built."""
-    s = STRATEGIES[name]
-    if s.splits_heads and H < C:
+def heads_problem(strategy: str | Strategy, H: int, G: int, C: int) -> str | None:
+    """The head rule that H query and G kv heads over C (ulysses) ranks break for `strategy`
+    (a name or an entry): "heads" (fewer query heads than ranks, for a strategy that splits
+    heads); None if none. Head counts C does not divide are split unevenly (`upipe.heads`;
+    the largest rank holds ceil(H/C) heads). That G divides H is the model's rule, checked
+    where the model is built (`upipe.heads.kv_problem`)."""
+    spec = get_strategy(strategy) if isinstance(strategy, str) else strategy
+    if spec.splits_heads and few_heads_problem(H, C) is not None:
         return "heads"
     return None
 
 
-# How each caller names things: a ValueError from a constructor, or a command-line message.
-MODULE_WORDS = {
-    "heads": "num_heads ({H}) must be at least the {size} ({C}): every rank gets a query "
-    "head; use a size of at most {H}, or strategy='ring' (whole heads on every rank)",
-}
-CLI_WORDS = {
-    "heads": "{what} has {H} heads, fewer than the {size} {C}; use a size of at most {H}, or "
-    "--strategy ring",
-}
-
-
 def check_heads(
-    name: str, H: int, G: int, C: int, *, size: str, words=MODULE_WORDS, what: str = ""
+    strategy: str | Strategy,
+    H: int,
+    G: int,
+    C: int,
+    *,
+    size: str,
+    query: str = "num_heads",
+    whole: str = "strategy='ring'",
+    model: str | None = None,
 ) -> str | None:
-    """`heads_problem` as a message in `words` (MODULE_WORDS or CLI_WORDS), or None. `size`
-    names C ("context-parallel size", "ulysses size"); `what` names the model (CLI_WORDS)."""
-    problem = heads_problem(name, H, G, C)
-    if problem is None:
+    """`heads_problem` as a message (`upipe.heads.few_heads_problem`), or None. `size` names
+    C ("context-parallel size", "ulysses size"), `query` H, `whole` the way out (a strategy
+    keeping whole heads); with `model` (a command line's model name) the message names it."""
+    if heads_problem(strategy, H, G, C) is None:
         return None
-    return words[problem].format(name=name, H=H, G=G, C=C, size=size, what=what)
+    return few_heads_problem(H, C, size=size, query=query, whole=whole, model=model)

@@ -54,6 +54,7 @@ from upipe.attention.common import (
     validate_qkv,
 )
 from upipe.attention.documents import block_backend, block_calls, layout_segments
+from upipe.attention.registry import STRATEGIES
 from upipe.attention.window import block_backward, block_forward, merge_
 from upipe.comm import ring_send_recv
 from upipe.kernels import acc_dtype
@@ -257,12 +258,11 @@ def ring_attention(
         q,
         k,
         v,
+        strategy=STRATEGIES["ring"],
         group=group,
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
-        replicate_kv=True,
-        split_heads=False,  # heads stay whole on every rank
         extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
         extra_signature={"layout": layout, **docs.signature()},
         window=window,

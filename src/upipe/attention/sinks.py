@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from upipe.heads import query_ranges
+
 ROW_CHUNKS = 8  # fp32 temporaries cover 1 / ROW_CHUNKS of a rank's rows at a time
 
 
@@ -94,12 +96,10 @@ def grad(dout_BPud, out_BPud, lse_BuP, sink_u) -> torch.Tensor:
 # --- a rank's heads ---------------------------------------------------------------------
 
 
-def head_range(H: int, C: int, rank: int, split=None) -> tuple[int, int]:
-    """(first, count) of the query heads a Ulysses rank holds after its exchange: the
-    uneven split's range (`uneven.UlyssesSplit`), else H / C heads from rank * H / C."""
-    if split is not None:
-        return split.q[rank]
-    return (rank * (H // C), H // C)
+def head_range(H: int, C: int, rank: int) -> tuple[int, int]:
+    """(first, count) of the query heads a Ulysses rank holds after its exchange, even split
+    or uneven (`upipe.heads.query_ranges`)."""
+    return query_ranges(H, C)[rank]
 
 
 def zeros_like_sinks(sinks, lse_dtype) -> torch.Tensor:

@@ -73,7 +73,7 @@ class StageAttention:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentedAttention:
-    """`attn` on a rank's heads of an uneven split (`upipe.attention.uneven`), where local
+    """`attn` on a rank's heads of an uneven split (`upipe.heads.segments`), where local
     query head i need not use kv head i // (u / k): one call per segment (q0, nq, k0, nk),
     each standard GQA -- query heads q0 .. q0+nq-1 over kv heads k0 .. k0+nk-1. One segment
     covering all heads is a plain call; none (a rank without a head this stage) is no call.

@@ -17,11 +17,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from upipe.attention.schedule import Round, select_kv, select_q
+from upipe.attention.schedule import select_kv, select_q
 from upipe.attention.stage import StageAttention
 from upipe.comm import Done, HeadExchange
-from upipe.comm_uneven import to_head
 from upipe.gemm import addmm_acc_
+from upipe.heads import Round
 from upipe.kernels import acc_dtype
 from upipe.rope import apply_rope, apply_rope_backward
 
@@ -31,7 +31,7 @@ class FusedPlan:
     """The static part of one fused call: what to run, where, and how."""
 
     rounds: tuple[Round, ...]
-    """the head schedule (`schedule.plan_schedule`: even or uneven rounds)"""
+    """the head schedule (`heads.plan_schedule`: even or uneven rounds)"""
     head_dim: int
     ex: HeadExchange
     """the Ulysses exchange (group and sequence layout)"""
@@ -120,10 +120,10 @@ class StagedLayer:
         """The round's k and v, projected and exchanged: [B, S, k, d] each."""
         ex, split = self.plan.ex, rnd.kv_split
         k_BLkd = self.heads(self.kv_rows(self.wk_GdD, rnd), self.kv_bias(self.bk_Gd, rnd))
-        k_BSkd = to_head(ex, self.k_prep(k_BLkd), split)
+        k_BSkd = ex.to_head(self.k_prep(k_BLkd), split)
         del k_BLkd
         v_BLkd = self.heads(self.kv_rows(self.wv_GdD, rnd), self.kv_bias(self.bv_Gd, rnd))
-        return k_BSkd, to_head(ex, v_BLkd, split)
+        return k_BSkd, ex.to_head(v_BLkd, split)
 
     def q(self, rnd, s):
         """Stage s's q, projected and exchanged (pending: `wait()` gives [B, S, u, d])."""
@@ -134,8 +134,8 @@ class StagedLayer:
         """The exchange of t (per-rank head `counts` on an uneven split), pending: started
         now when overlapping, else done now."""
         if self.plan.overlap:
-            return to_head(self.plan.ex, t_BLnd, counts, async_op=True)
-        return Done(to_head(self.plan.ex, t_BLnd, counts))
+            return self.plan.ex.to_head(t_BLnd, counts, async_op=True)
+        return Done(self.plan.ex.to_head(t_BLnd, counts))
 
     def gemm_acc_(self, acc, a, b):
         addmm_acc_(acc, a, b, tensor_cores=self.plan.tensor_cores)

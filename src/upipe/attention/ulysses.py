@@ -10,9 +10,9 @@ Forward on each rank:
 Backward: dout_BLHd -> dout_BShd, the kernel's backward from the saved out/lse, then
 dq/dk/dv back to the sequence layout.
 
-Uneven heads (C not dividing H or G; `upipe.attention.uneven`): rank r gets ceil(H/C) or
+Uneven heads (C not dividing H or G; `upipe.heads.ulysses_split`): rank r gets ceil(H/C) or
 floor(H/C) query heads (h is its count) and the k kv heads they use, which neighbouring
-ranks may share; the exchanges take per-rank counts (`upipe.comm_uneven`), the kernel runs
+ranks may share; the exchanges take per-rank counts (`upipe.comm.exchange`), the kernel runs
 per standard-GQA segment of the rank's heads, and a shared kv head's gradients from its
 ranks are summed in fp32. With C dividing H and G the even code runs, unchanged.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from upipe.attention import kept, sinks, uneven
+from upipe.attention import kept, sinks
 from upipe.attention.common import (
     DocumentsArg,
     check_layout,
@@ -36,51 +36,48 @@ from upipe.attention.common import (
     saved_for_backward,
     validate_qkv,
 )
+from upipe.attention.registry import STRATEGIES
+from upipe.attention.schedule import gather, scatter_add_
 from upipe.attention.stage import SegmentedAttention, StageAttention
 from upipe.comm import HeadExchange
-from upipe.comm_uneven import to_head, to_seq
+from upipe.heads import counts, ulysses_split
 from upipe.kernels import acc_dtype
 
 
 def split_attention(H, G, group, attn):
     """(this rank's uneven split over `group` or None, and `attn` for it)."""
-    split = uneven.ulysses_split(H, G, dist.get_world_size(group), dist.get_rank(group))
+    split = ulysses_split(H, G, dist.get_world_size(group), dist.get_rank(group))
     return split, attn if split is None else SegmentedAttention(attn, split.segments)
 
 
 class _Exchanges:
-    """The exchanges of one Ulysses call: even (`split` None: `ex` for every tensor) or
-    uneven (`uneven.UlyssesSplit`: per-rank counts, kv heads gathered per rank and their
-    gradients summed back)."""
+    """The exchanges of one Ulysses call: even (`split` None) or uneven
+    (`heads.UlyssesSplit`: per-rank counts, kv heads gathered per rank and their gradients
+    summed back)."""
 
     def __init__(self, ex, split):
         self.ex, self.split = ex, split
+        self.q_counts = None if split is None else counts(split.q)
+        self.kv_counts = None if split is None else counts(split.kv)
+        self.kv_shared = split is not None and split.kv_shared
 
     def q_to_head(self, t_BLHd):
-        if self.split is None:
-            return self.ex.to_head(t_BLHd)
-        return to_head(self.ex, t_BLHd, uneven.counts(self.split.q))
+        return self.ex.to_head(t_BLHd, self.q_counts)
 
     def kv_to_head(self, t_BLGd):
-        if self.split is None:
-            return self.ex.to_head(t_BLGd)
-        sent = uneven.gather(t_BLGd, 2, self.split.kv) if self.split.kv_shared else t_BLGd
-        return to_head(self.ex, sent, uneven.counts(self.split.kv))
+        sent = gather(t_BLGd, 2, self.split.kv) if self.kv_shared else t_BLGd
+        return self.ex.to_head(sent, self.kv_counts)
 
     def q_to_seq(self, t_BShd):
-        if self.split is None:
-            return self.ex.to_seq(t_BShd)
-        return to_seq(self.ex, t_BShd, uneven.counts(self.split.q))
+        return self.ex.to_seq(t_BShd, self.q_counts)
 
     def kv_to_seq(self, t_BSkd, G):
-        if self.split is None:
-            return self.ex.to_seq(t_BSkd)
-        t_BLnd = to_seq(self.ex, t_BSkd, uneven.counts(self.split.kv))
-        if not self.split.kv_shared:
+        t_BLnd = self.ex.to_seq(t_BSkd, self.kv_counts)
+        if not self.kv_shared:
             return t_BLnd
         B, L, _, d = t_BLnd.shape  # each rank's copy of a shared kv head adds up, in fp32
         acc_BLGd = t_BLnd.new_zeros(B, L, G, d, dtype=acc_dtype(t_BLnd.dtype))
-        uneven.scatter_add_(acc_BLGd, 2, self.split.kv, t_BLnd)
+        scatter_add_(acc_BLGd, 2, self.split.kv, t_BLnd)
         del t_BLnd
         return acc_BLGd.to(t_BSkd.dtype)
 
@@ -116,7 +113,7 @@ def _backward(dout_BLHd, saved, ex, attn, G, sink_h=None):
 class UlyssesFunction(torch.autograd.Function):
     """Ulysses (the exchange `ex`, `upipe.comm.HeadExchange`) around any stage attention
     `attn` (stage.py): the local kernel here, ring attention over the ring group in USP.
-    `split`: the uneven head split of this rank (`uneven.ulysses_split`), None when even;
+    `split`: the uneven head split of this rank (`heads.ulysses_split`), None when even;
     `attn` must then be the split's `SegmentedAttention` (`split_attention`). `call`: the
     op's `kept.Call` inside an activation checkpoint (its forward keeps out_BShd and lse,
     its recomputation reuses them), else None. `sinks_H`: `[H]` attention sinks
@@ -127,7 +124,7 @@ class UlyssesFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, ex, attn, split=None, call=None, sinks_H=None):
         exs = _Exchanges(ex, split)
         C, rank = dist.get_world_size(ex.group), dist.get_rank(ex.group)
-        heads = sinks.head_range(q.shape[2], C, rank, split)
+        heads = sinks.head_range(q.shape[2], C, rank)
         sink_h = None if sinks_H is None else sinks_H.narrow(0, *heads)
         reused = None if call is None else call.reused()
         out, saved = _forward(q, k, v, exs, attn, reused, sink_h)
@@ -176,7 +173,7 @@ def ulysses_attention(
     over all C*L tokens; differentiable
     w.r.t. q, k, v. G must divide H (query head h uses kv head h // (H / G)) and C must be
     at most H; when C does not divide H or G the heads are split unevenly (ceil(H/C) or
-    floor(H/C) query heads per rank, `upipe.attention.uneven`). `backend` selects the local
+    floor(H/C) query heads per rank, `upipe.heads`). `backend` selects the local
     kernel (see `upipe.kernels`); the default follows the device.
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
     tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
@@ -194,12 +191,11 @@ def ulysses_attention(
         q,
         k,
         v,
+        strategy=STRATEGIES["ulysses"],
         group=group,
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
-        replicate_kv=False,
-        uneven=True,
         extra=lambda C: (check_layout(layout, q.shape[1], C), docs.check(C * q.shape[1])),
         extra_signature={"layout": layout, **docs.signature()},
         window=window,

@@ -3,7 +3,7 @@
 Legend: B batch, S full sequence, L = S / C local tokens, H query heads, G kv heads,
 U heads per stage, u = U / C query heads per rank per stage, k kv heads per rank per round,
 d head dim, C group size. Head schedule (rounds of kv heads, stages of query heads):
-schedule.py.
+`upipe.heads`; its slices of tensors: schedule.py.
 
 Forward, for each round: kv_BLkd (the round's kv heads) --seq_to_head--> kv_BSkd; then for
 each stage of the round:
@@ -13,11 +13,11 @@ Backward repeats the exchange per round and stage (q, k, v, out and dout slices 
 again), runs the kernel backward with the saved lse, sums dk/dv over the round's stages in
 fp32 and sends them back once per round.
 
-Heads C does not divide (`uneven.py`): each rank's own ceil(H/C) or floor(H/C) query
-heads, u per stage, with rounds of the kv heads they use; the exchanges take per-rank
-counts, the kernel runs per standard-GQA segment (`stage.SegmentedAttention`) and kv
-gradients are summed in fp32. The loops below are the same: the rounds (`schedule.Round`
-or `uneven.UnevenRound`) say which heads, counts and attention each stage has.
+Heads C does not divide (the uneven split of `upipe.heads`): each rank's own ceil(H/C) or
+floor(H/C) query heads, u per stage, with rounds of the kv heads they use; the exchanges take
+per-rank counts, the kernel runs per standard-GQA segment (`stage.SegmentedAttention`) and
+kv gradients are summed in fp32. The loops below are the same: the rounds (`heads.Round` or
+`heads.UnevenRound`) say which heads, counts and attention each stage has.
 
 Live at a time: one round's kv buffers and one stage's buffers -- the head-proportional
 intermediates shrink by U / H against Ulysses. Saved for backward: only lse (q, k, v and
@@ -45,18 +45,11 @@ from upipe.attention.common import (
     resolve_groups,
     validate_qkv,
 )
-from upipe.attention.schedule import (
-    add_kv_,
-    check_heads_per_stage,
-    plan_schedule,
-    put_kv,
-    put_q,
-    select_kv,
-    select_q,
-)
+from upipe.attention.registry import STRATEGIES
+from upipe.attention.schedule import add_kv_, put_kv, put_q, select_kv, select_q, stage_attention
 from upipe.attention.stage import StageAttention
 from upipe.comm import HeadExchange
-from upipe.comm_uneven import to_head, to_seq
+from upipe.heads import check_heads_per_stage, plan_schedule
 from upipe.kernels import acc_dtype
 
 
@@ -105,15 +98,15 @@ def _forward(q_BLHd, k_BLGd, v_BLGd, rounds, ex, attn, sinks_H=None):
     lse_list = []
     C, rank = torch.distributed.get_world_size(ex.group), torch.distributed.get_rank(ex.group)
     for rnd in rounds:
-        k_BSkd = to_head(ex, _kv_heads(k_BLGd, rnd), rnd.kv_split)
-        v_BSkd = to_head(ex, _kv_heads(v_BLGd, rnd), rnd.kv_split)
+        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd), rnd.kv_split)
+        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd), rnd.kv_split)
         for s in range(len(rnd.stages)):
-            q_BSud = to_head(ex, _q_heads(q_BLHd, rnd, s), rnd.q_split(s))
-            out_BSud, lse_BuS = rnd.stage_attention(attn, s).forward(q_BSud, k_BSkd, v_BSkd)
+            q_BSud = ex.to_head(_q_heads(q_BLHd, rnd, s), rnd.q_split(s))
+            out_BSud, lse_BuS = stage_attention(attn, rnd, s).forward(q_BSud, k_BSkd, v_BSkd)
             del q_BSud
             if sinks_H is not None:  # out' (in place) and lse'
                 lse_BuS = sinks.apply_(out_BSud, lse_BuS, stage_sinks(sinks_H, rnd, s, C, rank))
-            put_q(out_BLHd, 2, rnd, s, to_seq(ex, out_BSud, rnd.q_split(s)))
+            put_q(out_BLHd, 2, rnd, s, ex.to_seq(out_BSud, rnd.q_split(s)))
             lse_list.append(lse_BuS)
         del k_BSkd, v_BSkd
     return out_BLHd, lse_list
@@ -134,12 +127,12 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
         dk_BLGd, dv_BLGd = torch.empty_like(k_BLGd), torch.empty_like(v_BLGd)
     lse_iter = iter(lse_list)
     for rnd in rounds:
-        k_BSkd = to_head(ex, _kv_heads(k_BLGd, rnd), rnd.kv_split)
-        v_BSkd = to_head(ex, _kv_heads(v_BLGd, rnd), rnd.kv_split)
+        k_BSkd = ex.to_head(_kv_heads(k_BLGd, rnd), rnd.kv_split)
+        v_BSkd = ex.to_head(_kv_heads(v_BLGd, rnd), rnd.kv_split)
         dk32_BSkd = dv32_BSkd = None
         for s in range(len(rnd.stages)):
             q_BSud, out_BSud, dout_BSud = (
-                to_head(ex, _q_heads(t, rnd, s), rnd.q_split(s))
+                ex.to_head(_q_heads(t, rnd, s), rnd.q_split(s))
                 for t in (q_BLHd, out_BLHd, dout_BLHd)
             )
             lse_BuS = next(lse_iter)
@@ -147,7 +140,7 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
                 sink_u = stage_sinks(sinks_H, rnd, s, C, rank)
                 dsink_u = sinks.grad(dout_BSud, out_BSud, lse_BuS, sink_u)
                 put_stage_sinks_(dsinks_H, rnd, s, C, rank, dsink_u)
-            dq_BSud, dk_BSkd, dv_BSkd = rnd.stage_attention(attn, s).backward(
+            dq_BSud, dk_BSkd, dv_BSkd = stage_attention(attn, rnd, s).backward(
                 dout_BSud, q_BSud, k_BSkd, v_BSkd, out_BSud, lse_BuS
             )
             del lse_BuS
@@ -155,14 +148,14 @@ def _backward(dout_BLHd, q_BLHd, k_BLGd, v_BLGd, out_BLHd, lse_list, rounds, ex,
             dk32_BSkd = accumulate(dk32_BSkd, dk_BSkd)
             dv32_BSkd = accumulate(dv32_BSkd, dv_BSkd)
             del dk_BSkd, dv_BSkd
-            put_q(dq_BLHd, 2, rnd, s, to_seq(ex, dq_BSud, rnd.q_split(s)))
+            put_q(dq_BLHd, 2, rnd, s, ex.to_seq(dq_BSud, rnd.q_split(s)))
         del k_BSkd, v_BSkd
         # the round's dk, dv go back once; each sum is freed as soon as it is sent
         kv_sums = [(dk_BLGd, dk32_BSkd), (dv_BLGd, dv32_BSkd)]
         del dk32_BSkd, dv32_BSkd
         while kv_sums:
             d_BLGd, d32_BSkd = kv_sums.pop(0)
-            d_BLkd = to_seq(ex, d32_BSkd.to(k_BLGd.dtype), rnd.kv_split)
+            d_BLkd = ex.to_seq(d32_BSkd.to(k_BLGd.dtype), rnd.kv_split)
             del d32_BSkd
             if replicated:  # fp32 sums of the replicas (bf16 parts, fp32 accumulator)
                 add_kv_(d_BLGd, 2, rnd, d_BLkd)
@@ -226,10 +219,10 @@ def upipe_attention(
     default "zigzag"), the all-to-alls run over the ulysses dim (C = its size) and each
     stage's attention is ring attention over the ring dim. Exactly one of group/mesh.
     `heads_per_stage` (U) defaults to C (one head per rank per stage); any multiple of C that
-    divides H and fits the GQA schedule (see `upipe.attention.schedule`); U = H is plain
+    divides H and fits the GQA schedule (see `upipe.heads`); U = H is plain
     Ulysses. G may be smaller than C (kv heads are replicated) if it divides C. Other head
     counts (C not dividing H, or G and C not dividing one another; C <= H) are split
-    unevenly (`upipe.attention.uneven`): U is then any multiple of C up to C * ceil(H / C),
+    unevenly (`upipe.heads`): U is then any multiple of C up to C * ceil(H / C),
     u = U / C of each rank's ceil(H/C) or floor(H/C) heads per stage.
     `cu_seqlens`: document boundaries `[0, e_1, ..., S]` of the full sequence (a 1-D integer
     tensor or ints, the same on every rank and batch row; `upipe.packing.check_cu_seqlens`):
@@ -257,12 +250,11 @@ def upipe_attention(
         q,
         k,
         v,
+        strategy=STRATEGIES["upipe"],
         group=ulysses,
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
-        replicate_kv=True,
-        uneven=True,
         extra=extra,
         extra_signature={"heads_per_stage": heads_per_stage, "layout": layout, **docs.signature()},
         agree=agree,

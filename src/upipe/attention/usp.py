@@ -14,7 +14,7 @@ ulysses dim splits each ring rank's part contiguously. Forward on each rank:
 Backward: dout_BLHd -> dout_BPhd, the ring backward from the saved out and lse (kv blocks
 and their gradient accumulators travel the ring again), then dq/dk/dv back to the sequence
 layout. With R = 1 this is Ulysses (the local kernel, no ring), with C = 1 ring attention.
-Heads C does not divide are split unevenly as in Ulysses (`upipe.attention.uneven`); the
+Heads C does not divide are split unevenly as in Ulysses (`upipe.heads`); the
 ranks of a ring share their ulysses index, so they hold the same heads, and each standard-
 GQA segment of them is one ring attention.
 
@@ -29,6 +29,7 @@ import torch
 
 from upipe.attention import kept
 from upipe.attention.common import DocumentsArg, check_ring_layout, resolve_groups, validate_qkv
+from upipe.attention.registry import STRATEGIES
 from upipe.attention.stage import StageAttention
 from upipe.attention.ulysses import UlyssesFunction, split_attention
 from upipe.comm import HeadExchange
@@ -82,12 +83,11 @@ def usp_attention(
         q,
         k,
         v,
+        strategy=STRATEGIES["usp"],
         group=ulysses,
         causal=causal,
         softmax_scale=softmax_scale,
         backend=backend,
-        replicate_kv=False,
-        uneven=True,
         extra=extra,
         extra_signature={"layout": layout, **docs.signature()},
         agree=agree,

@@ -24,6 +24,7 @@ from upipe.bench.layer import UpipeLayer, result_names
 from upipe.bench.model import MODEL_METHODS
 from upipe.bench.peers import DEFAULT_METHODS, PEERS, Method, UpipeMethod, make_method
 from upipe.bench.run import TOLERANCE
+from upipe.heads import kv_problem
 from upipe.kernels import KERNELS
 
 __all__ = ["BenchConfig", "DemoConfig", "PEERS", "run_bench"]
@@ -128,8 +129,9 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
     if bad:
         fix = [max(S, 1) + (-max(S, 1)) % (2 * nproc) for S in bad]
         return f"--seq-lens {bad} must be multiples of 2 * nproc = {2 * nproc}; try {fix}"
-    if cfg.heads % cfg.kv_heads:
-        return f"--kv-heads ({cfg.kv_heads}) must divide --heads ({cfg.heads})"
+    problem = kv_problem(cfg.heads, cfg.kv_heads, query="--heads", kv="--kv-heads")
+    if problem:
+        return problem
     least = 0 if cfg.model else 1  # --model: the tracked step's time is reported as well
     if cfg.repeats < least or cfg.warmup < 0:
         return f"--repeats must be >= {least} and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"

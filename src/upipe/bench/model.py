@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import upipe
+from upipe.attention.registry import check_heads
 from upipe.bench import report
 from upipe.bench.peers import TESTED, installed_version
 from upipe.bench.recipes import (
@@ -59,6 +60,7 @@ from upipe.bench.recipes import (
     full_loss,
     gradient_checkpointing,
 )
+from upipe.heads import contiguous_stages, even_problem, kv_problem
 
 MODEL_METHODS = (
     "alst",
@@ -112,11 +114,24 @@ class ModelMethod:
         return (installed_version(self.peer) or "") if self.peer else upipe.__version__
 
     def problem(self, *, H: int, G: int, C: int) -> str | None:
+        """Why this method cannot run H query and G kv heads on C ranks, or None: each side's
+        own head rule (`upipe.heads`) -- ALST's `UlyssesSPAttentionHF` the even split, the
+        drop-in its contiguous stages, upipe's modules the library's (any G | H, C <= H)."""
         if self.needs_deepspeed and installed_version("deepspeed") is None:
             return f"needs deepspeed=={TESTED['deepspeed']} (pip install 'upipe[integrations]')"
-        if H % C or (G % C and C % G):
-            return f"needs H ({H}) divisible by C ({C}) and G ({G}) dividing or divided by C"
-        return None
+        problem = kv_problem(H, G, query="--heads", kv="--kv-heads")
+        if problem is None and self.peer == "deepspeed":
+            problem = even_problem(H, G, C, size="number of ranks")
+        elif problem is None and self.attention == "upipe-dropin":
+            try:
+                contiguous_stages(H, G, C, None)
+            except ValueError as e:
+                problem = str(e)
+        elif problem is None:
+            strategy = "ulysses" if self.attention == "upipe-ulysses" else "upipe"
+            words = dict(size="number of ranks", query="--heads", whole="ring attention")
+            problem = check_heads(strategy, H, G, C, **words)
+        return problem and f"{self.name}: {problem}"
 
     def build(self, base, group):
         """This method's copy of the base model, converted."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import upipe
 from upipe.attention.registry import STRATEGIES, get_strategy, heads_problem
-from upipe.attention.schedule import check_heads_per_stage
+from upipe.heads import check_heads_per_stage, even_ulysses, kv_problem
 
 # The versions the adapters were tested with (the `bench` extra pins the runnable ones).
 TESTED = {"deepspeed": "0.19.8", "yunchang": "0.6.4"}
@@ -119,7 +119,9 @@ class Method:
 
 
 def _heads_problem(H, G, C, what):
-    if H % C or G % C:
+    """The peers' rule: plain Ulysses' even split, no kv head replicated (DeepSpeed asserts
+    G >= its group size)."""
+    if not even_ulysses(H, G, C):
         return f"{what} needs H ({H}) and G ({G}) divisible by the ranks ({C})"
     return None
 
@@ -142,9 +144,9 @@ class UpipeMethod(Method):
             C //= 2
         elif self.layout == "zigzag" and S % (2 * C):
             return f"{self.kind} (zigzag) needs S divisible by 2C={2 * C}"
-        if H % G:
+        if kv_problem(H, G):
             return f"{self.name} needs G ({G}) dividing H ({H})"
-        if heads_problem(self.kind, H, G, C) is not None:
+        if heads_problem(self.spec, H, G, C) is not None:
             return f"{self.name} splits heads: needs at least C={C} query heads, got H={H}"
         if self.spec.heads_per_stage:
             try:

@@ -84,6 +84,7 @@ def build_full(name: str, base, group, shape, register, tiled_forward):
 
 def _own_model(base, group, shape):
     """upipe's `CausalLM` from `base`'s config and weights, as `upipe train` builds it."""
+    from upipe.attention.registry import get_strategy
     from upipe.model import CausalLM, config_from_hf
     from upipe.train.parallelize import (
         ContextParallel,
@@ -96,7 +97,7 @@ def _own_model(base, group, shape):
     model.load_state_dict(base.state_dict())
     model.train()
     C = dist.get_world_size(group)
-    parallelize(model, ContextParallel(strategy="upipe", size=C, group=group))
+    parallelize(model, ContextParallel(spec=get_strategy("upipe"), size=C, group=group))
     features = MemoryFeatures(
         tiled_mlp=shape.mlp_tile,
         loss_chunk=shape.loss_chunk,

@@ -36,37 +36,14 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
 from upipe.attention.common import agree_across_ranks
 from upipe.comm import head_to_seq, seq_to_head
+from upipe.heads import contiguous_stages
 
 
 def stage_heads(H: int, G: int, C: int, U: int | None) -> list[tuple[int, torch.Tensor]]:
-    """Per stage: (first query head, kv heads to send, rank by rank, C * k indices).
-
-    Stage s holds query heads s*U .. s*U + U-1; rank r gets h = U / C of them, starting at
-    s*U + r*h, and the kv heads they use (i // g). Every rank must get as many kv heads,
-    so h divides g (k = 1) or g divides h (k = h / g). ValueError otherwise."""
-    U = C if U is None else U
-    g = H // G if G and H % G == 0 else 0
-    valid = [u for u in range(C, H + 1, C) if H % u == 0 and g and _aligned(u // C, g)]
-    problem = None
-    if not g:
-        problem = f"kv heads G ({G}) must divide the query heads H ({H})"
-    elif U % C or H % U or not _aligned(U // C, g):
-        problem = (
-            f"heads_per_stage ({U}) must be a multiple of the group size ({C}) dividing the "
-            f"query heads ({H}), with U / C dividing or divided by the {g} queries per kv head"
-        )
-    if problem:
-        raise ValueError(f"{problem}; valid heads_per_stage for H={H}, G={G}, C={C}: {valid}")
-    h = U // C
-    stages = []
-    for first in range(0, H, U):
-        kv = [range((first + r * h) // g, (first + r * h + h - 1) // g + 1) for r in range(C)]
-        stages.append((first, torch.tensor([i for heads in kv for i in heads])))
-    return stages
-
-
-def _aligned(h: int, g: int) -> bool:
-    return g % h == 0 or h % g == 0
+    """Per stage: (first query head, kv heads to send, rank by rank, C * k indices) -- the
+    plan `upipe.heads.contiguous_stages` (its rule: U / C dividing or divided by the H / G
+    queries per kv head; ValueError otherwise), the kv heads as index tensors."""
+    return [(first, torch.tensor(kv)) for first, kv in contiguous_stages(H, G, C, U)]
 
 
 def staged_ulysses(q_BLHd, k_BLGd, v_BLGd, attend, *, group, heads_per_stage=None):

@@ -9,7 +9,7 @@ out_BShd --head_to_seq--> out_BLHd. Autodiff keeps what the kernel keeps (q, k, 
 head layout, lse) -- 2(H + G')/C heads over S tokens (G' = max(G, C)), plus the
 exchanges' transients.
 
-UPipe: the same, H / U times on U heads (`upipe.attention.schedule`'s GQA-aware stages, the
+UPipe: the same, H / U times on U heads (`upipe.heads.plan_rounds`' GQA-aware stages, the
 PyTorch op's schedule): per round the round's C*k kv heads are exchanged once, then each of
 its stages exchanges its U query heads, attends and sends its output back:
 
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from upipe.attention.schedule import check_heads_per_stage, plan_rounds
+from upipe.heads import check_heads_per_stage, even_problem, kv_problem, plan_rounds
 from upipe.jax.comm import head_to_seq, seq_to_head
 from upipe.jax.kernel import LSE, OUT, attention
 
@@ -48,27 +48,16 @@ POLICY = jax.checkpoint_policies.save_only_these_names(OUT, LSE)
 """What backward keeps of a UPipe stage: the kernel's output and log-sum-exp."""
 
 
-def _divisors(n: int) -> list[int]:
-    return [c for c in range(1, n + 1) if n % c == 0]
-
-
 def check_heads(H: int, G: int, C: int) -> None:
-    """ValueError unless C divides H and G, C divide one another (the even splits)."""
-    if H % G:
+    """ValueError unless G divides H and the heads split evenly over the C devices
+    (`upipe.heads`: C | H, and G, C dividing one another; this port has no uneven split)."""
+    problem = kv_problem(H, G)
+    if problem:
+        raise ValueError(problem)
+    problem = even_problem(H, G, C, size="mesh axis size")
+    if problem:
         raise ValueError(
-            f"the kv heads ({G}) must divide the query heads ({H}); valid: {_divisors(H)}"
-        )
-    if H % C:
-        raise ValueError(
-            f"the mesh axis size ({C}) must divide the query heads ({H}); use an axis of size "
-            f"{_divisors(H)} (the PyTorch ops split other head counts unevenly, this one does "
-            "not)"
-        )
-    if G % C and C % G:
-        sizes = [c for c in _divisors(H) if G % c == 0 or c % G == 0]
-        raise ValueError(
-            f"the kv heads ({G}) and the mesh axis size ({C}) must divide one another; use an "
-            f"axis of size {sizes}"
+            f"{problem} (the PyTorch ops split other head counts unevenly; upipe.jax does not)"
         )
 
 
@@ -84,7 +73,7 @@ def check_qkv(q, k, v) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class StageGrid:
-    """The head schedule of `upipe.attention.schedule.plan_rounds` as array axes. Query heads
+    """The head schedule of `upipe.heads.plan_rounds` as array axes. Query heads
     form the grid [rounds, width, stages, stage_width] (row-major, = H): stage (r, s) is
     rows `width` of round r, columns s; the `width` = C*k virtual kv heads of round r are
     real kv heads r*width/replicas .. each repeated `replicas` times. Listed rank-major, so

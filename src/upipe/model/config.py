@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from upipe.heads import kv_problem
 from upipe.rope import Llama3RopeScaling
 
 
@@ -65,8 +66,9 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        problem = kv_problem(self.n_heads, self.n_kv_heads, query="n_heads", kv="n_kv_heads")
+        if problem:
+            raise ValueError(problem)
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings), got {self.head_dim}")
         w = self.sliding_window

@@ -21,6 +21,7 @@ import re
 import time
 
 from upipe.attention.registry import STRATEGIES, get_strategy
+from upipe.heads import stage_candidates, usp_ulysses_size
 from upipe.kernels import KERNELS
 from upipe.model import PRESETS, get_config
 from upipe.planner.command import train_command
@@ -199,7 +200,7 @@ def _stage_candidates(pc: PlanConfig, spec, model) -> tuple:
     pairs = []
     for ring in rings:
         uly = pc.gpus // ring
-        U = pc.heads_per_stage or tuple(h for h in (uly, 2 * uly) if h <= model.n_heads)
+        U = pc.heads_per_stage or stage_candidates(model.n_heads, uly)
         pairs += [(ring, heads) for heads in U]
     return tuple(pairs)
 
@@ -225,9 +226,7 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                 if not spec.context_parallel:
                     kw["dp"] = pc.gpus
                 if spec.needs_ring_and_ulysses:  # ulysses over as many GPUs as kv heads allow
-                    uly = math.gcd(pc.gpus, model.n_kv_heads)
-                    uly = uly if uly < pc.gpus else max(1, uly // 2)
-                    kw["ring"] = pc.gpus // uly
+                    kw["ring"] = pc.gpus // usp_ulysses_size(pc.gpus, model.n_kv_heads)
                     label = f"{strategy} {kw['ring']}x{pc.gpus // kw['ring']}"
                 if U is not None:
                     kw["heads_per_stage"] = U

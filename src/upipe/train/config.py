@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from upipe.attention.registry import CLI_WORDS, STRATEGIES, check_heads, get_strategy
-from upipe.attention.schedule import check_heads_per_stage
+from upipe.attention.registry import STRATEGIES, check_heads, get_strategy
+from upipe.heads import check_heads_per_stage
 from upipe.kernels import KERNELS
 from upipe.kernels_select import kernel_problem
 from upipe.model import PRESETS, ModelConfig, config_from_hf, get_config
@@ -181,9 +181,10 @@ class TrainConfig:
         if self.fsdp is None:
             self.fsdp = default_fsdp(self.device)
 
-    def degrees(self, world: int) -> tuple[int, int, int]:
-        """(dp, ring, ulysses) for `world` processes."""
-        spec = get_strategy(self.strategy)
+    def degrees(self, world: int, spec=None) -> tuple[int, int, int]:
+        """(dp, ring, ulysses) for `world` processes (`spec`: the strategy's registry entry,
+        if the caller resolved it)."""
+        spec = spec or get_strategy(self.strategy)
         dp = self.dp or (1 if spec.context_parallel else world)
         cp = max(1, world // dp)
         ring = self.ring or spec.default_ring(cp)
@@ -250,10 +251,11 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
     problem = _kernel_problem(cfg, m)
     if problem:
         return problem
-    dp, ring, uly = cfg.degrees(world)
+    spec = get_strategy(cfg.strategy)
+    dp, ring, uly = cfg.degrees(world, spec)
     if world % dp:
         return f"--dp {dp} must divide the number of processes ({world})"
-    cp, spec = world // dp, get_strategy(cfg.strategy)
+    cp = world // dp
     if not spec.context_parallel and cp != 1:
         return (
             f"strategy {cfg.strategy} has no context parallelism: use --dp {world} "
@@ -270,13 +272,13 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
         name = spec.on_mesh_called
         return f"{cfg.strategy} with --ring > 1 is {name}: use --strategy {name}"
     problem = check_heads(
-        cfg.strategy,
+        spec,
         m.n_heads,
         m.n_kv_heads,
         uly,
         size="ulysses size",
-        words=CLI_WORDS,
-        what=cfg.model,
+        whole="--strategy ring",
+        model=cfg.model,
     )
     if problem:
         return problem
@@ -362,14 +364,16 @@ def _kernel_problem(cfg: TrainConfig, m: ModelConfig) -> str | None:
     return problem and f"--attention-kernel {kernel}: {problem}"
 
 
-def padded_length(cfg: TrainConfig, world: int) -> int:
+def padded_length(cfg: TrainConfig, world: int, spec=None) -> int:
     """The length a sequence of `cfg.seq_len` tokens is padded to: the next multiple of
     what the layout splits evenly (C chunks, 2C for a zigzag layout or a ring in UPipe).
 
     Padding goes at the end, with label `IGNORE_INDEX`: no padded position is counted by
     the loss, and as attention is causal no real token attends to one, so the real tokens'
-    losses and gradients are those of the unpadded sequence (tested against one process)."""
-    dp, ring, uly = cfg.degrees(world)
-    layout = get_strategy(cfg.strategy).layout
+    losses and gradients are those of the unpadded sequence (tested against one process).
+    `spec`: the strategy's registry entry, if the caller resolved it."""
+    spec = spec or get_strategy(cfg.strategy)
+    dp, ring, uly = cfg.degrees(world, spec)
+    layout = spec.layout
     multiple = ring * uly * (2 if layout == "zigzag" or ring > 1 else 1)
     return cfg.seq_len + (-cfg.seq_len) % multiple

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from upipe.attention.registry import get_strategy
 from upipe.kernels import prepare_kernel
 from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mean
 from upipe.memory import MemoryTracker
@@ -120,14 +121,15 @@ class Trainer:
         (the planner does, outside `FakeTensorMode`); by default it is built here.
         `model_config`: a `ModelConfig` to build instead of the preset `cfg.model`."""
         self.cfg, self.device = cfg, device
+        self.spec = get_strategy(cfg.strategy)  # the registry entry, looked up once
         world = dist.get_world_size()
         if mesh is None:
-            dp, ring, uly = cfg.degrees(world)
+            dp, ring, uly = cfg.degrees(world, self.spec)
             mesh = make_mesh(ulysses=uly, ring=ring, dp=dp, device_type=device.type)
         self.mesh = mesh
-        self.cp = context_parallel(cfg.strategy, self.mesh)
+        self.cp = context_parallel(self.spec, self.mesh)
         self.dp, self.dp_rank = mesh["dp"].size(), self.mesh.get_local_rank("dp")
-        self._multiple = padded_length(dataclasses.replace(cfg, seq_len=1), world)
+        self._multiple = padded_length(dataclasses.replace(cfg, seq_len=1), world, self.spec)
         compute, master = DTYPES[cfg.dtype], DTYPES[cfg.master_dtype]
         eval_fraction = cfg.eval_fraction if cfg.eval_every else 0.0
         self.data = PackedTokens(

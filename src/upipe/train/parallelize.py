@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from upipe.attention.module import ContextParallelAttention
-from upipe.attention.registry import get_strategy
+from upipe.attention.registry import Strategy
 from upipe.comm import sequence_positions
 from upipe.model.features import ATTENTION_OUTPUTS
 from upipe.model.llama import Attention, CausalLM
@@ -29,13 +29,18 @@ from upipe.torch_private import flatten_mesh
 
 @dataclasses.dataclass(kw_only=True)
 class ContextParallel:
-    """Where this rank's tokens sit: the group or mesh the attention communicates over."""
+    """Where this rank's tokens sit: the group or mesh the attention communicates over, and
+    the strategy's registry entry (resolved once, by the caller)."""
 
-    strategy: str
+    spec: Strategy
     size: int
     group: object = None
     mesh: object = None
     layout: str = "contiguous"
+
+    @property
+    def strategy(self) -> str:
+        return self.spec.name
 
     def positions(self, seq_len: int, device=None) -> torch.Tensor:
         """Global positions `[L]` of this rank's tokens of a length-`seq_len` sequence."""
@@ -52,17 +57,17 @@ class ContextParallel:
         )
 
 
-def context_parallel(strategy: str, mesh) -> ContextParallel:
-    """The `ContextParallel` of `strategy` on a `upipe.make_mesh` mesh (dims dp, ring, ulysses)."""
-    spec = get_strategy(strategy)
+def context_parallel(spec: Strategy, mesh) -> ContextParallel:
+    """The `ContextParallel` of strategy `spec` (its registry entry) on a `upipe.make_mesh`
+    mesh (dims dp, ring, ulysses)."""
     R, U = mesh["ring"].size(), mesh["ulysses"].size()
     if not spec.context_parallel:
-        return ContextParallel(strategy=strategy, size=1)
+        return ContextParallel(spec=spec, size=1)
     if R > 1 and U > 1:
-        return ContextParallel(strategy=strategy, size=R * U, mesh=mesh, layout="zigzag")
+        return ContextParallel(spec=spec, size=R * U, mesh=mesh, layout="zigzag")
     dim = spec.group_dim
     return ContextParallel(
-        strategy=strategy, size=mesh[dim].size(), group=mesh[dim].get_group(), layout=spec.layout
+        spec=spec, size=mesh[dim].size(), group=mesh[dim].get_group(), layout=spec.layout
     )
 
 
@@ -73,7 +78,7 @@ def parallelize(
     holding the *same* parameter objects (nothing is copied), and give an MoE model the sum
     over the context-parallel group of its routing statistics (`router_stats_reduce`).
     Returns `model`."""
-    spec = get_strategy(cp.strategy)
+    spec = cp.spec
     if model.config.n_experts:
         model.router_stats_reduce = sequence_sum(cp)
     if spec.module is None:
