@@ -78,6 +78,7 @@ from torch._subclasses import FakeTensorMode
 
 import upipe
 from upipe import kernels_select
+from upipe.attention.registry import get_strategy
 from upipe.kernels import attention_backward, attention_forward, check_kernel
 from upipe.kernels_select import CUDA_KERNELS, IMPL, active_flash_impl, kernel_problem
 from upipe.memory.model import LayerShape, ulysses_peak_units, upipe_peak_units
@@ -750,7 +751,7 @@ def _block_model(cfg, group, device):
     with torch.device(device):
         model = CausalLM(cfg).to(torch.bfloat16)
     size = dist.get_world_size(group)
-    cp = ContextParallel(strategy="upipe", size=size, group=group)
+    cp = ContextParallel(spec=get_strategy("upipe"), size=size, group=group)
     parallelize(model, cp, heads_per_stage=U if size == C else None)
     model.model.layers[0].self_attn.overlap = False  # (as `_layer`)
     return model

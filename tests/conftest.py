@@ -53,12 +53,19 @@ def rel_err(actual: torch.Tensor, ref: torch.Tensor, *, scale: float = 1.0) -> f
     return ((actual.double() - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
 
 
+# A model's gradients (and weights) are small without being degenerate -- the loss is a mean
+# over many tokens, the weights are initialised at std 0.02 -- so each is judged relative to
+# itself down to this fraction of the largest of them, and absolutely below it.
+MODEL_FLOOR = 1e-2
+
+
 def grad_errors(grads: dict, ref: dict) -> dict[str, float]:
-    """`rel_err` of each parameter gradient against the reference's, at the scale of all of
-    them: a model's gradients are small (the loss is a mean over many tokens) without being
-    degenerate, so the floor is taken relative to the largest of them."""
-    scale = max(g.abs().max().item() for g in ref.values())
-    return {n: rel_err(grads[n], g, scale=scale) for n, g in ref.items()}
+    """`rel_err` of each named tensor of a model (gradients; a checkpoint's weights) against
+    the reference's, its floor `MODEL_FLOOR` times the largest reference magnitude of all of
+    them (not the operands' scale 1 of `rel_err`: a gradient of 1e-3 judged against 1 would
+    pass a 1% error)."""
+    largest = max(g.abs().max().item() for g in ref.values())
+    return {n: rel_err(grads[n], g, scale=MODEL_FLOOR * largest) for n, g in ref.items()}
 
 
 def bf16_bound(single_device_err: float) -> float:

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 import hf_arch_workers as W  # noqa: E402
-from conftest import TOL, rel_err  # noqa: E402
+from conftest import TOL, grad_errors  # noqa: E402
 
 TOL32 = TOL[torch.float32]
 
@@ -43,7 +43,7 @@ def test_router_aux_loss_is_the_whole_sequence_s(clusters, arch, world, options)
         # transformers' aux over the shard alone would fail the first check by far
         assert abs(shard_aux.item() - aux.item()) > 10 * TOL32["fwd"] * aux.item()
         assert list(r_grads) == list(grads)
-    errs = {n: rel_err(sum(r[2][n] for r in results), g) for n, g in grads.items()}
+    errs = grad_errors({n: sum(r[2][n] for r in results) for n in grads}, grads)
     assert max(errs.values()) < TOL32["bwd"], errs
 
 

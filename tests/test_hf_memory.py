@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 import hf_memory_workers as W  # noqa: E402
-from conftest import TOL, rel_err  # noqa: E402
+from conftest import TOL, grad_errors  # noqa: E402
 from hf_workers import SEQ  # noqa: E402
 
 TOL32 = TOL[torch.float32]
@@ -31,7 +31,7 @@ def _check(results, reference, *, logits_none):
         assert abs(r_loss.item() - loss.item()) <= 1e-6 * loss.item(), (r_loss, loss)
         assert no_logits == logits_none
         assert list(r_grads) == list(grads)
-    errs = {n: rel_err(sum(r[1][n] for r in results), g) for n, g in grads.items()}
+    errs = grad_errors({n: sum(r[1][n] for r in results) for n in grads}, grads)
     assert max(errs.values()) < TOL32["bwd"], errs
 
 
@@ -158,5 +158,5 @@ def test_chunked_loss_through_a_sharded_lm_head(clusters):
     loss, grads, _ = reference
     for r_loss, r_grads, _, _ in results:
         assert abs(r_loss.item() - loss.item()) <= 1e-6 * loss.item()
-        errs = {n: rel_err(r_grads[n], g) for n, g in grads.items()}
+        errs = grad_errors(r_grads, grads)
         assert max(errs.values()) < TOL32["bwd"], errs

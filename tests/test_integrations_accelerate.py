@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import hf_memory_workers  # noqa: E402
 import trainer_workers as W  # noqa: E402
-from conftest import TOL, rel_err  # noqa: E402
+from conftest import TOL, grad_errors  # noqa: E402
 
 TOL32 = TOL[torch.float32]
 # accelerate's FSDP2 units: the root, each decoder layer, the embedding, the tail group
@@ -44,7 +44,7 @@ def test_fsdp2_as_accelerate_applies_it(clusters, options, accelerate_ac, calls)
         assert units == UNITS, units
         assert abs(r_loss.item() - loss.item()) <= TOL32["fwd"] * loss.item(), (r_loss, loss)
         assert list(r_grads) == list(grads)
-        errors = {n: rel_err(r_grads[n], g) for n, g in grads.items()}
+        errors = grad_errors(r_grads, grads)
         assert max(errors.values()) < TOL32["bwd"], errors
         assert r_calls == calls  # forward, and once more in backward
 

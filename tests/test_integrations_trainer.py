@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOL, rel_err
+from conftest import TOL, grad_errors
 
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")  # (the `integrations` extra; accelerate launch)
@@ -128,7 +128,7 @@ def _check_against(reference, runs):
         # the checkpoint the Trainer saved loads into the unmodified model: the same weights
         state = model.state_dict()
         assert state.keys() == ref_state.keys()
-        errors = {n: rel_err(state[n], ref_state[n]) for n in ref_state}
+        errors = grad_errors(state, ref_state)  # (weights: the same judgement)
         assert max(errors.values()) < TOL32["bwd"], (name, errors)
 
 
@@ -173,7 +173,7 @@ def test_checkpoint_with_memory_features_resumes(model_dir, with_features, tmp_p
         )
     assert abs(got["eval_loss"] - full["eval_loss"]) <= TOL32["fwd"] * full["eval_loss"]
     full_state = full_model.state_dict()
-    errors = {n: rel_err(t, full_state[n]) for n, t in model.state_dict().items()}
+    errors = grad_errors(model.state_dict(), full_state)
     assert max(errors.values()) < TOL32["bwd"], errors
 
 
