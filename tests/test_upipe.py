@@ -257,6 +257,20 @@ def test_module_zero_centred_qk_norm(clusters, world_size, strategy, U):
     assert max(errs[torch.bfloat16].values()) < TOL[torch.bfloat16]["bwd"], errs
 
 
+@pytest.mark.parametrize("strategy", ["upipe", "ulysses", "ring"])
+def test_module_softmax_scale(clusters, strategy):
+    """softmax_scale (Gemma 3's query_pre_attn_scalar ** -0.5) reaches every strategy's op."""
+    cfg = dict(B=1, S=32, dim=32, num_heads=8, num_kv_heads=2, head_dim=8)
+    kwargs = {"strategy": strategy, "softmax_scale": 0.2, "layout": "contiguous"}
+    res = clusters(2).run(run_module, cfg, kwargs)
+    ref = module_reference(cfg, scale=0.2)
+    assert rel_err(torch.cat([r["y"] for r in res], 1), ref["y"]) < FWD
+    for name in ("dx", "q_proj", "k_proj"):
+        got = torch.cat([r["dx"] for r in res], 1) if name == "dx" else sum(r[name] for r in res)
+        assert rel_err(got, ref[name]) < BWD, name
+    assert rel_err(res[0]["y"], module_reference(cfg)["y"][:, :16]) > 1e-2  # the scale matters
+
+
 def test_zero_centred_norm_is_transformers_gemma3_norm():
     """staged_layer.rms_norm with offset 1 is transformers' Gemma3RMSNorm (also Qwen3-Next's)
     bit for bit, in fp32 and bf16; offset 0 is torch's RMSNorm."""

@@ -135,7 +135,9 @@ def make_weights(cfg, seed=0, dtype=torch.float32, qk_norm=False):
 NORMS = ("q_norm", "k_norm")
 
 
-def module_reference(cfg, *, causal=True, interleaved=False, theta=10000.0, qk_norm=False):
+def module_reference(
+    cfg, *, causal=True, interleaved=False, theta=10000.0, qk_norm=False, scale=None
+):
     """y, dx and the weight gradients of the attention layer on the full sequence, in fp64."""
     from upipe.rope import apply_rope, rope_cos_sin
 
@@ -153,7 +155,7 @@ def module_reference(cfg, *, causal=True, interleaved=False, theta=10000.0, qk_n
     q = apply_rope(q, cos, sin, interleaved=interleaved)
     k = apply_rope(k, cos, sin, interleaved=interleaved)
     v = (x @ w["v_proj"].t()).view(B, S, -1, d)
-    y = attention_autograd(q, k, v, causal=causal).flatten(2) @ w["o_proj"].t()
+    y = attention_autograd(q, k, v, causal=causal, scale=scale).flatten(2) @ w["o_proj"].t()
     y.backward(dy)
     return {"y": y.detach(), "dx": x.grad, **{n: t.grad for n, t in w.items()}}
 

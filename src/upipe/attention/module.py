@@ -37,6 +37,7 @@ from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strateg
 from upipe.attention.schedule import check_heads_per_stage, plan_schedule
 from upipe.attention.sinks import check_sinks
 from upipe.attention.staged_layer import rms_norm
+from upipe.attention.upipe import upipe_attention
 from upipe.attention.usp import usp_attention
 from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
@@ -55,6 +56,8 @@ class ContextParallelAttention(nn.Module):
     (layout of the ring dim, default "zigzag"; `sequence_positions(S, mesh=mesh)` gives
     their positions), and C is the ulysses size.
     Exactly one of group/mesh. All ranks call it together (it communicates).
+    `softmax_scale`: the scores' scale (None: head_dim ** -0.5; Gemma 3 takes
+    query_pre_attn_scalar ** -0.5).
     `window`: a causal sliding window (token i sees keys i-window+1 .. i, as transformers'
     `sliding_window` on a "sliding_attention" layer; None: full attention), with work
     proportional to the window (`upipe.attention.window`).
@@ -94,6 +97,7 @@ class ContextParallelAttention(nn.Module):
         norm_eps: float = 1e-6,
         norm_offset: float = 0.0,
         causal: bool = True,
+        softmax_scale: float | None = None,
         backend: str | None = None,
         window: int | None = None,
         sinks: bool = False,
@@ -159,7 +163,14 @@ class ContextParallelAttention(nn.Module):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         check_window(window, causal)
+        if softmax_scale is not None and not (
+            isinstance(softmax_scale, (int, float)) and softmax_scale > 0
+        ):
+            raise ValueError(
+                f"softmax_scale must be a positive number or None, got {softmax_scale!r}"
+            )
         self.causal, self.backend, self.window = causal, backend, window
+        self.softmax_scale = softmax_scale
         kw = dict(bias=False, device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
@@ -275,6 +286,7 @@ class ContextParallelAttention(nn.Module):
                 head_dim=d,
                 group=self.group,
                 causal=self.causal,
+                softmax_scale=self.softmax_scale,
                 backend=self.backend,
                 rope_interleaved=self.rope_interleaved,
                 q_norm=None if self.q_norm is None else self.q_norm.weight,
@@ -300,14 +312,20 @@ class ContextParallelAttention(nn.Module):
             q, k = self._qk_norm(self.q_norm, q), self._qk_norm(self.k_norm, k)
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
+        return self.o_proj(self._op(q, k, v, docs).flatten(2))
+
+    def _op(self, q, k, v, docs=None):
+        """The strategy's functional op on projected q `[B, L, H, d]`, k/v `[B, L, G, d]`
+        with this layer's kernel, window, sinks and scale: `[B, L, H, d]`. For "upipe" the
+        staged op on given q, k, v (the unfused form of the layer's fused op)."""
         kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, window=self.window)
-        kw["sinks"] = self.sinks
+        kw.update(sinks=self.sinks, softmax_scale=self.softmax_scale, layout=self.layout)
+        where = dict(group=self.group) if self.mesh is None else dict(mesh=self.mesh)
+        if self.rounds is not None:
+            return upipe_attention(q, k, v, heads_per_stage=self.heads_per_stage, **where, **kw)
         if self.mesh is None:
-            op = get_strategy(self.strategy).op
-            out = op(q, k, v, group=self.group, layout=self.layout, **kw)
-        else:  # ulysses on a mesh: USP
-            out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
-        return self.o_proj(out.flatten(2))
+            return get_strategy(self.strategy).op(q, k, v, **where, **kw)
+        return usp_attention(q, k, v, **where, **kw)  # ulysses on a mesh: USP
 
     def _qk_norm(self, norm, t_BLnd):
         """The QK-norm module's own call, or with `norm_offset` its weight through

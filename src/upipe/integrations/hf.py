@@ -86,11 +86,6 @@ def _check_model(model) -> Arch:
             f"attention_dropout ({cfg.attention_dropout}) is not supported; set "
             "model.config.attention_dropout = 0.0"
         )
-    d = base.layers[0].self_attn.head_dim
-    if base.layers[0].self_attn.scaling != d**-0.5:
-        raise ValueError(
-            f"attention scaling {base.layers[0].self_attn.scaling} differs from head_dim ** -0.5"
-        )
     return arch
 
 

@@ -9,9 +9,6 @@ r rotary features per head (d, or fewer: partial rotary).
 from __future__ import annotations
 
 from upipe.attention.module import ContextParallelAttention
-from upipe.attention.registry import get_strategy
-from upipe.attention.upipe import upipe_attention
-from upipe.attention.usp import usp_attention
 from upipe.integrations.hf_archs import Arch, FusedRows
 from upipe.rope import apply_rope
 
@@ -54,6 +51,7 @@ class HFContextParallelAttention(ContextParallelAttention):
             strategy=strategy,
             heads_per_stage=heads_per_stage,
             backend=backend,
+            softmax_scale=hf_attn.scaling,
             norm_eps=_norm_eps(q_norm),
             norm_offset=arch.norm_offset,
             device="meta",  # placeholders, replaced by the model's own modules below
@@ -96,12 +94,4 @@ class HFContextParallelAttention(ContextParallelAttention):
         k = self.k_norm(self.k_proj(x)).view(B, L, -1, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, L, -1, d)
-        kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, layout=self.layout)
-        where = dict(group=self.group) if self.mesh is None else dict(mesh=self.mesh)
-        if self.strategy == "upipe":
-            out = upipe_attention(q, k, v, heads_per_stage=self.heads_per_stage, **where, **kw)
-        elif self.mesh is None:
-            out = get_strategy(self.strategy).op(q, k, v, **where, **kw)
-        else:  # ulysses on a mesh: USP
-            out = usp_attention(q, k, v, **where, **kw)
-        return self.o_proj(out.flatten(2))
+        return self.o_proj(self._op(q, k, v, docs).flatten(2))
