@@ -8,8 +8,10 @@ r rotary features per head (d, or fewer: partial rotary).
 
 from __future__ import annotations
 
+import torch
+
 from upipe.attention.module import ContextParallelAttention
-from upipe.integrations.hf_archs import Arch, FusedRows
+from upipe.integrations.hf_archs import Arch, FusedRows, layer_window
 from upipe.rope import apply_rope
 
 
@@ -31,8 +33,10 @@ class HFContextParallelAttention(ContextParallelAttention):
     for their global positions (r = d, or fewer: partial rotary); returns `(out [B, L, D],
     None)`. Inputs are validated once per model call by the hook that `apply_context_parallel`
     puts on the decoder stack. `arch` (`hf_archs.Arch`): where the q/k/v rows are (a fused
-    `qkv_proj`: Phi-3) and which QK-norm (per head inside the fused stages; over the whole
-    projection: OLMo, run unfused, see `hf_archs`).
+    `qkv_proj`: Phi-3), which QK-norm (per head inside the fused stages, (1 + weight) for Gemma
+    3; over the whole projection: OLMo, run unfused), this layer's sliding window, attention
+    sinks (the module's `sinks`, gpt-oss) and RoPE form (see `hf_archs`); the softmax scale is
+    the module's `scaling`.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class HFContextParallelAttention(ContextParallelAttention):
             heads_per_stage=heads_per_stage,
             backend=backend,
             softmax_scale=hf_attn.scaling,
+            window=layer_window(arch, config, hf_attn.layer_idx),
             norm_eps=_norm_eps(q_norm),
             norm_offset=arch.norm_offset,
             device="meta",  # placeholders, replaced by the model's own modules below
@@ -67,6 +72,8 @@ class HFContextParallelAttention(ContextParallelAttention):
             self._qkv_sizes = (H * d, G * d, G * d)
         if arch.qk_norm is not None:
             self.q_norm, self.k_norm = hf_attn.q_norm, hf_attn.k_norm
+        if arch.sinks:  # the model's own parameter (gpt-oss), its gradient flowing into it
+            self.sinks = hf_attn.sinks
         self.layer_idx = hf_attn.layer_idx
         self._state = state  # the model call's validated documents (set by the input hook)
 
@@ -76,6 +83,8 @@ class HFContextParallelAttention(ContextParallelAttention):
         # cu_seq_lens_q/k: validated by the input hook, which keeps them in the state
         B, L, _ = hidden_states.shape
         cos, sin = (t.expand(B, L, -1) for t in position_embeddings)
+        if self.arch.rope_halves:  # gpt-oss: each angle rotates feature j and j + d / 2
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         if self.arch.qkv == "fused":
             self.q_proj, self.k_proj, self.v_proj = FusedRows(self.qkv_proj, self._qkv_sizes).parts
         try:
