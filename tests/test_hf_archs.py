@@ -34,15 +34,23 @@ def _reference(arch, packed=False, dtype=torch.float32):
     return hf_workers.reference(arch, dtype=dtype)
 
 
+def _own_scale_err(actual, ref):
+    """max|actual - ref| / max|ref|: a gradient judged against its own largest entry, with no
+    floor (stricter than `rel_err`'s operand-scale floor for model gradients, which are small)."""
+    return rel_err(actual, ref, scale=0.0)
+
+
 @functools.cache
 def _truth(arch, packed):
     """The unmodified model in float64 (same weights), and per parameter the gradient error
-    allowed in fp32: 1e-5, or twice the unmodified fp32 model's own error where that is larger
-    (a gradient summed over tokens with cancellation, e.g. gpt-oss's router bias: the fp32
-    model itself is 1.3e-5 off)."""
+    allowed in fp32 (`_own_scale_err`): 1e-5, or three times the unmodified fp32 model's own
+    error where that is larger -- a gradient summed over tokens with cancellation, whose fp32
+    rounding no implementation avoids: gpt-oss's router bias, 1.3-1.4e-5 off in transformers'
+    own fp32 model, 0.8-2.3e-5 converted (2026-12-02, this machine; other CPUs round
+    otherwise, hence 3x, not the 2x of bf16's bound)."""
     truth = _reference(arch, packed, torch.float64)
     own = _reference(arch, packed)[2]
-    allowed = {n: max(TOL32["bwd"], 2 * rel_err(own[n], g)) for n, g in truth[2].items()}
+    allowed = {n: max(TOL32["bwd"], 3 * _own_scale_err(own[n], g)) for n, g in truth[2].items()}
     return truth, allowed
 
 
@@ -66,7 +74,7 @@ def test_windowed_architectures_match_unmodified_model(clusters, arch, world):
     scale, (1 + w) norms, sandwich norms, a RoPE per layer type) and gpt-oss (sinks, biases,
     experts): the converted model's loss within 1e-6 (relative) of the unmodified model's in
     float64, its logits and every parameter gradient (summed over the ranks) within 1e-5 (or
-    2x the unmodified fp32 model's own error, `_truth`) -- under every strategy, with packed
+    3x the unmodified fp32 model's own error, `_truth`) -- under every strategy, with packed
     documents (against the model run on each document alone), and with the memory features;
     the window is not ignored (the model without it computes another loss)."""
     state = _reference(arch)[3]
@@ -82,7 +90,7 @@ def test_windowed_architectures_match_unmodified_model(clusters, arch, world):
         if not options.get("chunked_loss"):
             got = torch.cat([r[0] for r in per_rank], dim=1)  # contiguous blocks, by rank
             assert rel_err(got, logits) < TOL32["fwd"], case
-        errs = {n: rel_err(sum(r[2][n] for r in per_rank), g) for n, g in grads.items()}
+        errs = {n: _own_scale_err(sum(r[2][n] for r in per_rank), g) for n, g in grads.items()}
         assert all(errs[n] <= allowed[n] for n in grads), (case, errs, allowed)
     unwindowed = hf_workers.build_model(arch, sliding_window=hf_workers.SEQ)
     ids = hf_workers.make_batch()
