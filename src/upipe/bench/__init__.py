@@ -101,9 +101,9 @@ class BenchConfig:
     loss_chunk: int = 1024
     """--model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
     reference_up_to: int = 0
-    """--model: check the losses and gradients against the unsharded model at the lengths
-    up to this one only (0: at every length; the one-process reference costs about as much
-    as a method's step)."""
+    """Check the results against the float64 reference (--model: the unsharded model) at the
+    lengths up to this one only (0: at every length; the one-process reference costs about
+    as much as a method's step, more in float64); unchecked rows show "-" as their error."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -143,6 +143,8 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return _model_problem(cfg)
     if cfg.window < 0:
         return f"--window must be >= 0 (0: none), got {cfg.window}"
+    if cfg.reference_up_to < 0:
+        return f"--reference-up-to must be >= 0, got {cfg.reference_up_to}"
     if (cfg.window or cfg.sinks) and not cfg.layer:
         return "--window and --sinks are options of the layer: add --layer"
     if cfg.window and not cfg.causal:
@@ -279,6 +281,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         methods=methods,
         layer=cfg.layer,
         variants=layer_variants(cfg),
+        reference_up_to=cfg.reference_up_to,
     )
     steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
     bar = tqdm(total=steps, disable=not lead or quiet, desc="upipe bench", unit="step")
