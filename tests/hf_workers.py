@@ -71,6 +71,64 @@ ARCHITECTURES = {
         ),
     ),
 }
+# sliding windows (12 tokens) shorter than every rank's shard and the sequence, Gemma 3 and
+# gpt-oss (tests/test_hf_archs.py: an architecture's strategies and options in one cluster call)
+WINDOW = 12
+WINDOWED = {
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+    # the window on layer 1 only, as Qwen2's config derives layer_types from max_window_layers
+    "qwen2_window": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    "phi3_window": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {**ARCHITECTURES["phi3"][2], "sliding_window": WINDOW},
+    ),
+    "olmo3_window": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        {**ARCHITECTURES["olmo3"][2], "sliding_window": WINDOW},
+    ),
+    # softmax scale 32 ** -0.5 (head dim 8), (1 + w) norms, a RoPE per layer type
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=8,
+            query_pre_attn_scalar=32,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+                "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=2.0),
+            },
+        ),
+    ),
+    # sinks, sliding / full layers, q/k/v/o biases, 4 experts (top 2), yarn RoPE (its default)
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=1.5e5,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),  # fmt: skip
+    ),
+}
 SEQ = 64
 BATCH = 2
 
@@ -80,7 +138,7 @@ def build_model(arch, seed=0, **overrides):
     their init (zeros/ones) so that they matter; fp32, eval mode (no dropout)."""
     import transformers
 
-    config_name, model_name, extra = ARCHITECTURES[arch]
+    config_name, model_name, extra = {**ARCHITECTURES, **WINDOWED}[arch]
     config = getattr(transformers, config_name)(**{**BASE_CONFIG, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
@@ -97,9 +155,18 @@ def make_batch(seed=0):
     return torch.randint(0, BASE_CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)
 
 
-def reference(arch):
-    """The unmodified model on one process: logits, loss, parameter gradients, state dict."""
-    model = build_model(arch)
+def _model_in(arch, dtype):
+    """build_model(arch) in `dtype` (float64: transformers' grouped-GEMM experts take fp32 /
+    bf16 / fp16 only, so MoE experts run its eager loop there; the same function)."""
+    if dtype == torch.float32:
+        return build_model(arch)
+    return build_model(arch, experts_implementation="eager").to(dtype)
+
+
+def reference(arch, dtype=torch.float32):
+    """The unmodified model on one process: logits, loss, parameter gradients, state dict
+    (float64: the same weights, computed in float64)."""
+    model = _model_in(arch, dtype)
     ids = make_batch()
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -153,9 +220,7 @@ def expect_errors(rank, world_size, cases):
 
 
 def _error_case(name, group, apply_context_parallel, shard_batch):
-    if name == "sliding_window":
-        model = apply_context_parallel(build_model("mistral", sliding_window=SEQ // 2), group=group)
-    elif name == "dynamic_rope":
+    if name == "dynamic_rope":
         rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
         apply_context_parallel(build_model("llama", rope_parameters=rope), group=group)
     elif name == "unsupported_model":
@@ -193,13 +258,13 @@ def _error_case(name, group, apply_context_parallel, shard_batch):
 PACKED_BOUNDS = (0, 5, 6, 30, SEQ)
 
 
-def packed_reference(arch, bounds=PACKED_BOUNDS):
+def packed_reference(arch, bounds=PACKED_BOUNDS, dtype=torch.float32):
     """The unmodified model on each document separately (one process): logits concatenated,
     the loss over every document's next tokens (a document's last token has none), gradients,
     state dict."""
     import torch.nn.functional as F
 
-    model = build_model(arch)
+    model = _model_in(arch, dtype)
     ids = make_batch()
     logits, loss_sum, count = [], 0.0, 0
     for a, b in itertools.pairwise(bounds):

@@ -90,10 +90,12 @@ class WrongLayer(UpipeLayer):
 @pytest.mark.slow
 def test_layer_mode(tmp_path):
     """--layer: upipe's strategies as ContextParallelAttention vs the float64 layer (y, dx
-    and all weight gradients); a peer is skipped; a wrong weight gradient is caught."""
+    and all weight gradients); a peer is skipped; a wrong weight gradient is caught; past
+    --reference-up-to a length is measured, not checked."""
     cfg = BenchConfig(
         nproc=2,
-        seq_lens=(64,),
+        seq_lens=(64, 128),
+        reference_up_to=64,
         methods=("ulysses", "upipe", "ring", "usp", "deepspeed-ulysses"),
         heads=4,
         kv_heads=2,
@@ -108,7 +110,10 @@ def test_layer_mode(tmp_path):
     assert doc["reference_method"] == "layer:upipe(U=2)"
     assert "without --layer" in doc["methods"]["deepspeed-ulysses"]["reason"]
     assert "1-D group" in doc["methods"]["layer:usp"]["reason"]
-    rows = {r["method"]: r for r in doc["results"]}
+    unchecked = [r for r in doc["results"] if r["seq_len"] == 128]
+    assert len(unchecked) == 4 and all(r["correct"] is None for r in unchecked), unchecked
+    assert all(r["rel_err"] == {} and r["median_seconds"] > 0 for r in unchecked)
+    rows = {r["method"]: r for r in doc["results"] if r["seq_len"] == 64}
     assert set(rows) == {"layer:ulysses", "layer:upipe(U=2)", "layer:ring", "wrong-layer"}
     for name, r in rows.items():
         assert set(r["rel_err"]) == {"y", "dx", "dWq", "dWk", "dWv", "dWo"}

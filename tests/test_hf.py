@@ -100,7 +100,6 @@ def test_loss_is_transformers_loss(clusters, world):
 
 
 ERRORS = {
-    "sliding_window": "sliding-window attention is not supported",
     "dynamic_rope": "rope type 'dynamic' is not supported",
     "unsupported_model": "LlamaModel is not supported",
     "heads": "heads_per_stage (3)",

@@ -218,17 +218,25 @@ def test_bad_sinks_raise_on_every_rank(clusters, make, match):
 # --- upipe bench --layer --window --sinks ------------------------------------------------
 
 
+@pytest.mark.slow  # its own spawned ranks (run_bench), not the session's clusters
 def test_bench_layer_with_window_and_sinks():
-    """`upipe bench --layer --window 5 --sinks`: every strategy's layer right against the
-    float64 layer, the sinks' gradient among the results; the options need --layer."""
+    """`upipe bench --layer --window 5 --sinks --variants`: every strategy's layer in each
+    variant (full causal, window, sinks, both) right against the float64 layer of that
+    variant, the sinks' gradient among the results where it has sinks; the options need
+    --layer, --variants a window or sinks."""
     from upipe.bench import BenchConfig, run_bench, validate
 
     kw = dict(nproc=2, seq_lens=(64,), heads=4, kv_heads=2, head_dim=8, json="", plot="")
     assert "add --layer" in validate(BenchConfig(**kw, sinks=True), 2)
     assert "causal" in validate(BenchConfig(**kw, layer=True, window=5, causal=False), 2)
-    cfg = BenchConfig(**kw, methods=("ulysses", "upipe", "ring"), repeats=1, warmup=0,
-                      layer=True, window=5, sinks=True)  # fmt: skip
+    assert "give one of them" in validate(BenchConfig(**kw, layer=True, variants=True), 2)
+    cfg = BenchConfig(**kw, methods=("upipe", "ring"), repeats=1, warmup=0,
+                      layer=True, window=5, sinks=True, variants=True)  # fmt: skip
     doc = run_bench(cfg, quiet=True)
-    assert len(doc["results"]) == 3, doc["methods"]
-    for r in doc["results"]:
-        assert "dsinks" in r["rel_err"] and r["correct"] and r["max_rel_err"] < 1e-5, r
+    rows = {r["method"]: r for r in doc["results"]}
+    names = ("layer:upipe(U=2)", "layer:ring")
+    suffixes = ("", " sinks", " w=5", " w=5 sinks")
+    assert set(rows) == {n + v for n in names for v in suffixes}, doc["methods"]
+    for name, r in rows.items():
+        assert ("dsinks" in r["rel_err"]) == name.endswith("sinks"), r
+        assert r["correct"] and r["max_rel_err"] < 1e-5, r

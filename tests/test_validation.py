@@ -211,6 +211,10 @@ MODULE_BAD = [
         dict(hidden_size=32, num_heads=8, num_kv_heads=8, strategy="ulysses", heads_per_stage=4),
         r"heads_per_stage applies to strategy='upipe' only",
     ),
+    (
+        dict(hidden_size=32, num_heads=4, num_kv_heads=2, softmax_scale=-0.5),
+        r"softmax_scale must be a positive number or None, got -0.5",
+    ),
 ]
 
 

@@ -135,7 +135,9 @@ def make_weights(cfg, seed=0, dtype=torch.float32, qk_norm=False):
 NORMS = ("q_norm", "k_norm")
 
 
-def module_reference(cfg, *, causal=True, interleaved=False, theta=10000.0, qk_norm=False):
+def module_reference(
+    cfg, *, causal=True, interleaved=False, theta=10000.0, qk_norm=False, scale=None
+):
     """y, dx and the weight gradients of the attention layer on the full sequence, in fp64."""
     from upipe.rope import apply_rope, rope_cos_sin
 
@@ -153,7 +155,7 @@ def module_reference(cfg, *, causal=True, interleaved=False, theta=10000.0, qk_n
     q = apply_rope(q, cos, sin, interleaved=interleaved)
     k = apply_rope(k, cos, sin, interleaved=interleaved)
     v = (x @ w["v_proj"].t()).view(B, S, -1, d)
-    y = attention_autograd(q, k, v, causal=causal).flatten(2) @ w["o_proj"].t()
+    y = attention_autograd(q, k, v, causal=causal, scale=scale).flatten(2) @ w["o_proj"].t()
     y.backward(dy)
     return {"y": y.detach(), "dx": x.grad, **{n: t.grad for n, t in w.items()}}
 
@@ -173,9 +175,10 @@ def run_module_on(group, cfg, kwargs, dtype=torch.float32):
         *(cfg.get(a) for a in MODULE_ARGS), group=group, dtype=dtype, **kwargs
     )
     qk_norm = kwargs.get("qk_norm", False)
+    offset = kwargs.get("norm_offset", 0.0)  # the same norm: its weight shifted by the offset
     with torch.no_grad():
         for n, t in make_weights(cfg, dtype=dtype, qk_norm=qk_norm).items():
-            getattr(layer, n).weight.copy_(t)
+            getattr(layer, n).weight.copy_(t - offset if n in NORMS else t)
     xs = upipe.shard_sequence(x, group=group).requires_grad_()
     y = layer(xs, upipe.shard_sequence(pos, group=group))
     y.backward(upipe.shard_sequence(dy, group=group))

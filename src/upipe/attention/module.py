@@ -34,6 +34,8 @@ from upipe.attention.common import (
 from upipe.attention.fused import fused_upipe_attention
 from upipe.attention.registry import check_heads, get_strategy, module_strategies
 from upipe.attention.sinks import check_sinks
+from upipe.attention.staged_layer import rms_norm
+from upipe.attention.upipe import upipe_attention
 from upipe.attention.usp import usp_attention
 from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
@@ -53,6 +55,8 @@ class ContextParallelAttention(nn.Module):
     (layout of the ring dim, default "zigzag"; `sequence_positions(S, mesh=mesh)` gives
     their positions), and C is the ulysses size.
     Exactly one of group/mesh. All ranks call it together (it communicates).
+    `softmax_scale`: the scores' scale (None: head_dim ** -0.5; Gemma 3 takes
+    query_pre_attn_scalar ** -0.5).
     `window`: a causal sliding window (token i sees keys i-window+1 .. i, as transformers'
     `sliding_window` on a "sliding_attention" layer; None: full attention), with work
     proportional to the window (`upipe.attention.window`).
@@ -61,6 +65,10 @@ class ContextParallelAttention(nn.Module):
     every row's softmax denominator of query head h (`upipe.attention.sinks`). Its gradient
     on each rank is the rank's share (its heads, or on a ring its rows), like the weights':
     the sum over the ranks is the full gradient.
+    `qk_norm`: RMSNorm over each head's d features of q and k before RoPE (Qwen3; modules
+    `q_norm`, `k_norm`), times `norm_offset` + weight: 0.0 as torch's `nn.RMSNorm`, 1.0 the
+    zero-centred "(1 + weight)" norm of Gemma 3 and Qwen3-Next (`staged_layer.rms_norm`; the
+    weights then start at 0).
     `overlap` (strategy "upipe"): start each next stage's all-to-alls while the current
     stage's attention runs (same results bit for bit; costs up to 8 stage buffers, 8U/H of
     one [B, L, H*d] tensor; `upipe.attention.fused`). None: on for CUDA inputs of at most
@@ -86,7 +94,9 @@ class ContextParallelAttention(nn.Module):
         rope_interleaved: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        norm_offset: float = 0.0,
         causal: bool = True,
+        softmax_scale: float | None = None,
         backend: str | None = None,
         window: int | None = None,
         sinks: bool = False,
@@ -137,7 +147,7 @@ class ContextParallelAttention(nn.Module):
         self.group, self.mesh = ulysses, mesh
         self.layout = layout or (spec.layout if mesh is None else "zigzag")
         self.strategy, self.heads_per_stage = strategy, heads_per_stage
-        self._op = spec.op  # the strategy's functional op, resolved once
+        self._strategy_op = spec.op  # the strategy's functional op, resolved once
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
             hidden_size,
             num_heads,
@@ -149,7 +159,14 @@ class ContextParallelAttention(nn.Module):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         check_window(window, causal)
+        if softmax_scale is not None and not (
+            isinstance(softmax_scale, (int, float)) and softmax_scale > 0
+        ):
+            raise ValueError(
+                f"softmax_scale must be a positive number or None, got {softmax_scale!r}"
+            )
         self.causal, self.backend, self.window = causal, backend, window
+        self.softmax_scale = softmax_scale
         kw = dict(bias=False, device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
@@ -161,14 +178,16 @@ class ContextParallelAttention(nn.Module):
             )
         sink_param = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
         self.register_parameter("sinks", sink_param if sinks else None)
-        # QK-norm (Qwen3): RMSNorm over each head's d features of q and k, before RoPE
-        self.norm_eps = norm_eps
-        self.q_norm = (
-            nn.RMSNorm(head_dim, eps=norm_eps, device=device, dtype=dtype) if qk_norm else None
-        )
-        self.k_norm = (
-            nn.RMSNorm(head_dim, eps=norm_eps, device=device, dtype=dtype) if qk_norm else None
-        )
+        # QK-norm (Qwen3): RMSNorm over each head's d features of q and k, before RoPE, times
+        # norm_offset + weight (the weight starts at 1 - norm_offset: a plain RMSNorm)
+        self.norm_eps, self.norm_offset = norm_eps, float(norm_offset)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            kw = dict(eps=norm_eps, device=device, dtype=dtype)
+            self.q_norm, self.k_norm = nn.RMSNorm(head_dim, **kw), nn.RMSNorm(head_dim, **kw)
+            if self.norm_offset:
+                for norm in (self.q_norm, self.k_norm):
+                    nn.init.constant_(norm.weight, 1.0 - self.norm_offset)
 
     def extra_repr(self) -> str:
         return (
@@ -263,11 +282,13 @@ class ContextParallelAttention(nn.Module):
                 head_dim=d,
                 group=self.group,
                 causal=self.causal,
+                softmax_scale=self.softmax_scale,
                 backend=self.backend,
                 rope_interleaved=self.rope_interleaved,
                 q_norm=None if self.q_norm is None else self.q_norm.weight,
                 k_norm=None if self.k_norm is None else self.k_norm.weight,
                 norm_eps=self.norm_eps,
+                norm_offset=self.norm_offset,
                 q_bias=self.q_proj.bias,
                 k_bias=self.k_proj.bias,
                 v_bias=self.v_proj.bias,
@@ -284,13 +305,27 @@ class ContextParallelAttention(nn.Module):
         rot = dict(interleaved=self.rope_interleaved)
         q, k = self.q_proj(x).view(B, L, -1, d), self.k_proj(x).view(B, L, -1, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._qk_norm(self.q_norm, q), self._qk_norm(self.k_norm, k)
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
+        return self.o_proj(self._op(q, k, v, docs).flatten(2))
+
+    def _op(self, q, k, v, docs=None):
+        """The strategy's functional op on projected q `[B, L, H, d]`, k/v `[B, L, G, d]`
+        with this layer's kernel, window, sinks and scale: `[B, L, H, d]`. For "upipe" the
+        staged op on given q, k, v (the unfused form of the layer's fused op)."""
         kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, window=self.window)
-        kw["sinks"] = self.sinks
+        kw.update(sinks=self.sinks, softmax_scale=self.softmax_scale, layout=self.layout)
+        where = dict(group=self.group) if self.mesh is None else dict(mesh=self.mesh)
+        if self.rounds is not None:
+            return upipe_attention(q, k, v, heads_per_stage=self.heads_per_stage, **where, **kw)
         if self.mesh is None:
-            out = self._op(q, k, v, group=self.group, layout=self.layout, **kw)
-        else:  # ulysses on a mesh: USP
-            out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
-        return self.o_proj(out.flatten(2))
+            return self._strategy_op(q, k, v, **where, **kw)
+        return usp_attention(q, k, v, **where, **kw)  # ulysses on a mesh: USP
+
+    def _qk_norm(self, norm, t_BLnd):
+        """The QK-norm module's own call, or with `norm_offset` its weight through
+        `staged_layer.rms_norm` (as the fused op computes it)."""
+        if not self.norm_offset:
+            return norm(t_BLnd)
+        return rms_norm(t_BLnd, norm.weight, self.norm_eps, self.norm_offset)

@@ -79,6 +79,10 @@ class BenchConfig:
     sinks: bool = False
     """--layer: the layer has attention sinks (gpt-oss: a learned logit per head in every
     softmax denominator; `upipe.attention.sinks`), and their gradient is checked too."""
+    variants: bool = False
+    """--layer with --window and/or --sinks: run every layer method also without them -- each
+    variant of full causal, window, sinks, window + sinks that those flags name is a method
+    of its own (its name says which), against its own float64 reference, in one run."""
     model: bool = False
     """Benchmark a whole Hugging Face model's training step (`upipe.bench.model`): DeepSpeed
     ALST's attention against upipe's ulysses, upipe and the ALST drop-in, each also with
@@ -98,9 +102,9 @@ class BenchConfig:
     loss_chunk: int = 1024
     """--model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
     reference_up_to: int = 0
-    """--model: check the losses and gradients against the unsharded model at the lengths
-    up to this one only (0: at every length; the one-process reference costs about as much
-    as a method's step)."""
+    """Check the results against the float64 reference (--model: the unsharded model) at the
+    lengths up to this one only (0: at every length; the one-process reference costs about
+    as much as a method's step, more in float64); unchecked rows show "-" as their error."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -141,13 +145,17 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return _model_problem(cfg)
     if cfg.window < 0:
         return f"--window must be >= 0 (0: none), got {cfg.window}"
+    if cfg.reference_up_to < 0:
+        return f"--reference-up-to must be >= 0, got {cfg.reference_up_to}"
     if (cfg.window or cfg.sinks) and not cfg.layer:
         return "--window and --sinks are options of the layer: add --layer"
     if cfg.window and not cfg.causal:
         return "--window needs causal attention (sliding windows look back only)"
+    if cfg.variants and not (cfg.window or cfg.sinks):
+        return "--variants runs the layer with and without --window / --sinks: give one of them"
     for spec in cfg.methods:
         try:
-            _method(cfg, spec, nproc)
+            _methods(cfg, spec, nproc)
         except ValueError as exc:
             return str(exc)
     return None
@@ -181,21 +189,33 @@ def model_config(cfg: BenchConfig) -> BenchConfig:
     return cfg
 
 
-def _method(cfg: BenchConfig, spec: str, nproc: int) -> Method:
-    """The method named `spec`; with `cfg.layer` upipe's strategies run as the layer."""
+def layer_variants(cfg: BenchConfig) -> tuple[tuple[int | None, bool], ...]:
+    """(window, sinks) of each layer variant the run measures: the flags' one, or with
+    --variants each combination of them and none (full causal first)."""
+    window, sinks = cfg.window or None, cfg.sinks
+    if not cfg.variants:
+        return ((window, sinks),)
+    return tuple(
+        (w, s) for w in dict.fromkeys((None, window)) for s in dict.fromkeys((False, sinks))
+    )
+
+
+def _methods(cfg: BenchConfig, spec: str, nproc: int) -> list[Method]:
+    """The method named `spec`; with `cfg.layer` upipe's strategies run as the layer, one
+    method per variant (`layer_variants`)."""
     m = make_method(spec, nproc, backend=cfg.attention_kernel)
-    if cfg.layer and isinstance(m, UpipeMethod):
-        shape = (cfg.heads, cfg.kv_heads, cfg.head_dim)
-        kw = dict(shape=shape, seed=cfg.seed, causal=cfg.causal, backend=cfg.attention_kernel)
-        return UpipeLayer(m.kind, m.U, **kw, window=cfg.window or None, sinks=cfg.sinks)
-    return m
+    if not (cfg.layer and isinstance(m, UpipeMethod)):
+        return [m]
+    shape = (cfg.heads, cfg.kv_heads, cfg.head_dim)
+    kw = dict(shape=shape, seed=cfg.seed, causal=cfg.causal, backend=cfg.attention_kernel)
+    return [UpipeLayer(m.kind, m.U, **kw, window=w, sinks=s) for w, s in layer_variants(cfg)]
 
 
 def plan_methods(cfg: BenchConfig, nproc: int, extra=()) -> tuple[list, dict[str, str]]:
     """The methods that can run here, and {name: reason} for those skipped (static checks:
     peer installed, device supported, shape allowed at every sequence length)."""
     methods, skipped = [], {}
-    for m in [_method(cfg, spec, nproc) for spec in cfg.methods] + list(extra):
+    for m in [m for spec in cfg.methods for m in _methods(cfg, spec, nproc)] + list(extra):
         reason = None
         if cfg.layer and m.inputs != "layer":
             skipped[m.name] = "an attention op on q, k, v, not a layer: run it without --layer"
@@ -262,8 +282,8 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         seed=cfg.seed,
         methods=methods,
         layer=cfg.layer,
-        window=cfg.window or None,
-        sinks=cfg.sinks,
+        variants=layer_variants(cfg),
+        reference_up_to=cfg.reference_up_to,
     )
     steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
     bar = tqdm(total=steps, disable=not lead or quiet, desc="upipe bench", unit="step")
@@ -288,6 +308,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     header = (
         f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch_size} "
         f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}"
+        + (" variants:" if cfg.variants else "")
         + (f" window={cfg.window}" if cfg.window else "")
         + (" sinks" if cfg.sinks else "")
         + "; "

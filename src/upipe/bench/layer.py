@@ -79,7 +79,7 @@ def layer_reference(x_BSD, dy_BSD, weights, *, H: int, G: int, causal: bool, win
     full sequence, in float64; `window`: a causal sliding window, or None."""
     B, S, D = x_BSD.shape
     d = D // H
-    x = x_BSD.double().requires_grad_()
+    x = x_BSD.detach().to(torch.float64, copy=True).requires_grad_()  # (a leaf of its own)
     W = {name: w.double().requires_grad_() for name, w in weights.items()}
     cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), d, dtype=torch.float64)
     q_BSHd = apply_rope((x @ W["q_proj"].T).view(B, S, H, d), cos, sin)
@@ -103,9 +103,11 @@ class UpipeLayer(UpipeMethod):
         sinks=False,
     ):  # fmt: skip
         super().__init__(kind, U, backend)
-        self.name = f"layer:{self.name}"
+        self.name = f"layer:{self.name}" + (f" w={window}" if window else "")
+        self.name += " sinks" if sinks else ""
         self.shape, self.seed, self.causal = shape, seed, causal
         self.window, self.sinks = window, sinks
+        self.variant = (window, sinks)  # its reference (`upipe.bench.run.step_inputs`)
         self.result_names = result_names(sinks)
 
     def problem(self, *, H, G, C, S, device):

@@ -45,6 +45,7 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
     `upipe bench --model` (with `add_growth`'s "kib_per_added_token") also show that and the
     loss's own error."""
     model = any("kib_per_added_token" in r for r in rows)
+    width = max([20, *(len(r["method"]) + 2 for r in rows)])  # (--layer --variants: long)
     lines = [header]
     if ref:
         lines.append(
@@ -54,7 +55,7 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
         lines += [
             "",
             f"S = {S}",
-            f"{'method':<20}{'peak MiB':>10}{'[B,L,D]':>9}"
+            f"{'method':<{width}}{'peak MiB':>10}{'[B,L,D]':>9}"
             + (f"{'KiB/token':>10}" if model else "")
             + (f"{'step s':>9}" if model else "")
             + f"{'median s':>10}"
@@ -69,7 +70,7 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
             )
             growth = _fmt(r.get("kib_per_added_token"), ".2f") if model else None
             lines.append(
-                f"{r['method']:<20}{r['peak_mib']:>10.1f}{r['peak_units_BLD']:>9.2f}"
+                f"{r['method']:<{width}}{r['peak_mib']:>10.1f}{r['peak_units_BLD']:>9.2f}"
                 + (f"{growth:>10}" if model else "")
                 + (f"{_fmt(r.get('tracked_step_seconds'), '.1f'):>9}" if model else "")
                 + f"{_fmt(r['median_seconds'], '.2f'):>10}"

@@ -86,11 +86,12 @@ def step_setup(rank, world_size, methods: list[Method], device: str) -> dict[str
 
 def step_inputs(
     rank, world_size, shape: dict, seed: int, dtype: str, device: str, causal, layer,
-    window=None, sinks=False,
+    variants=((None, False),), check=True,
 ):  # fmt: skip
     """Draw this sequence length's full inputs (same on every rank): q, k, v, dout, or with
-    `layer` x and dy `[B, S, H*d]` (the layer with a sliding `window` and `sinks`, if given);
-    rank 0 also computes the float64 reference. Returns nothing."""
+    `layer` x and dy `[B, S, H*d]`; with `check` rank 0 also computes the float64 reference
+    (with `layer` one per variant (window, sinks): the layer with that sliding window and
+    sinks, if given). Returns nothing."""
     dev = _device(rank, device)
     gen = torch.Generator().manual_seed(seed)
     B, S, H, G, d = (shape[k] for k in "BSHGd")
@@ -100,15 +101,18 @@ def step_inputs(
         full = [torch.randn(B, S, n, d, generator=gen) for n in (H, G, G, H)]
     _STATE["full"] = [t.to(dev, getattr(torch, dtype)) for t in full]
     _STATE["reference"] = None
-    if rank == 0:  # on the CPU (the fused CUDA kernels have no float64)
+    if rank == 0 and check:  # on the CPU (the fused CUDA kernels have no float64)
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, world_size))  # the other ranks wait meanwhile
         full64 = [t.cpu().double() for t in _STATE["full"]]
-        if layer:
-            weights = layer_weights(seed, H, G, d, sinks)
-            _STATE["reference"] = layer_reference(
-                *full64, weights, H=H, G=G, causal=causal, window=window
-            )
+        if layer:  # (the sinks are drawn after the projections: the same weights)
+            _STATE["reference"] = {
+                (window, sinks): layer_reference(
+                    *full64, layer_weights(seed, H, G, d, sinks), H=H, G=G, causal=causal,
+                    window=window,
+                )
+                for window, sinks in variants
+            }  # fmt: skip
         else:
             q64, k64, v64, do64 = full64
             out64, lse = attention_forward(q64, k64, v64, causal=causal)
@@ -157,10 +161,15 @@ def step_measure(rank, world_size, name: str, causal: bool) -> dict:
     dist.all_gather_object(peaks, peak, group=group)
     if rank != 0:
         return {}
+    reference = _STATE["reference"]
+    if isinstance(reference, dict):  # --layer: the method's variant's
+        reference = reference[m.variant]
+    if reference is None:  # not checked at this length (--reference-up-to)
+        return {"peak_bytes_per_rank": peaks, "rel_err": {}}
     errors = {
         key: ((got.cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         for key, got, ref in zip(
-            getattr(m, "result_names", RESULTS[m.inputs]), results, _STATE["reference"], strict=True
+            getattr(m, "result_names", RESULTS[m.inputs]), results, reference, strict=True
         )
     }
     return {"peak_bytes_per_rank": peaks, "rel_err": errors}
@@ -211,10 +220,10 @@ class Plan:
     seed: int
     methods: list[Method]
     layer: bool = False
-    window: int | None = None
-    """--layer: the layer's causal sliding window (None: none)"""
-    sinks: bool = False
-    """--layer: the layer has attention sinks"""
+    variants: tuple = ((None, False),)
+    """--layer: (window, sinks) of each layer variant measured (a window None: none)"""
+    reference_up_to: int = 0
+    """check against the float64 reference at lengths up to this only (0: all)"""
 
 
 def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
@@ -232,7 +241,8 @@ def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
     for S in plan.seq_lens:
         shape = {"B": plan.B, "S": S, "H": plan.H, "G": plan.G, "d": plan.d}
         inputs = (plan.seed, plan.dtype, plan.device, plan.causal, plan.layer)
-        run(step_inputs, shape, *inputs, plan.window, plan.sinks)
+        check = not plan.reference_up_to or plan.reference_up_to >= S
+        run(step_inputs, shape, *inputs, plan.variants, check)
         tick(f"S={S}: reference")
         measured = {}
         for name in list(names):

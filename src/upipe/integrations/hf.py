@@ -13,13 +13,15 @@ d head dim, C ranks the sequence is split over (group size, or ring x ulysses on
 
 `apply_context_parallel` puts a `HFContextParallelAttention` in place of each decoder layer's
 `self_attn`. It holds the model's own `q_proj`/`k_proj`/`v_proj`/`o_proj` (Phi-3's fused
-`qkv_proj`; Qwen3's and OLMo's `q_norm`/`k_norm`: `upipe.integrations.hf_archs`) modules --
-the same objects, so no weight is copied or permuted and the state-dict keys are unchanged: a
-checkpoint loads before or after the call. RoPE comes from the model itself: its rotary
-embedding turns the *global* position ids of this rank's tokens
-into cos/sin (rope scaling "linear", "llama3", "yarn" included), which the decoder layers
-hand to the attention. Nothing is imported from `transformers` at import time; models are
-recognised by class name.
+`qkv_proj`; Qwen3's, OLMo's and Gemma 3's `q_norm`/`k_norm`; gpt-oss's `sinks`:
+`upipe.integrations.hf_archs`) modules and parameters -- the same objects, so no weight is
+copied or permuted and the state-dict keys are unchanged: a checkpoint loads before or after
+the call. Each layer's sliding window (where the model applies `config.sliding_window`) and
+softmax scale are the model's, so any sequence length is exact. RoPE comes from the model
+itself: its rotary embedding turns the *global* position ids of this rank's tokens into
+cos/sin (rope scaling "linear", "llama3", "yarn" included), which the decoder layers hand to
+the attention. Nothing is imported from `transformers` at import time; models are recognised
+by class name.
 
 Packed sequences (several documents in one row, as transformers' `DataCollatorWithFlattening`
 makes them): position ids restart at 0 at each document. `shard_batch(input_ids,
@@ -44,7 +46,13 @@ import torch.nn.functional as F
 from upipe.attention.common import agree_across_ranks, resolve_groups
 from upipe.comm import shard_sequence
 from upipe.integrations import hf_moe
-from upipe.integrations.hf_archs import ARCHITECTURES, Arch, architecture, rope_types
+from upipe.integrations.hf_archs import (
+    ARCHITECTURES,
+    Arch,
+    architecture,
+    config_problem,
+    rope_types,
+)
 from upipe.integrations.hf_attention import HFContextParallelAttention
 from upipe.integrations.hf_memory import (
     MemoryOptions,
@@ -53,7 +61,6 @@ from upipe.integrations.hf_memory import (
     install,
     model_problem,
     token_mean,
-    window_problem,
 )
 from upipe.loss import IGNORE_INDEX, shift_labels
 from upipe.mesh import mesh_coordinates
@@ -81,15 +88,13 @@ def _check_model(model) -> Arch:
             f"length, which differs from the full one under context parallelism; supported: "
             f"{STATIC_ROPE_TYPES}"
         )
+    problem = config_problem(cfg)
+    if problem:
+        raise ValueError(problem)
     if getattr(cfg, "attention_dropout", 0.0):
         raise ValueError(
             f"attention_dropout ({cfg.attention_dropout}) is not supported; set "
             "model.config.attention_dropout = 0.0"
-        )
-    d = base.layers[0].self_attn.head_dim
-    if base.layers[0].self_attn.scaling != d**-0.5:
-        raise ValueError(
-            f"attention scaling {base.layers[0].self_attn.scaling} differs from head_dim ** -0.5"
         )
     return arch
 
@@ -218,9 +223,7 @@ def _input_hook(state):
                     "whole sequence only); pass attention_mask=None and mark padded positions "
                     f"with labels = {IGNORE_INDEX}"
                 )
-            problem = window_problem(module.config, n_blocks * L) or state["memory"].call_problem(
-                module, kwargs
-            )
+            problem = state["memory"].call_problem(module, kwargs)
             if problem is None and labels_given and state["memory"].options.chunked_loss:
                 problem = chunked_call_problem(call["logits_to_keep"], call["return_dict"])
             problem = problem or hf_moe.problem(state["model"], router)
@@ -280,8 +283,9 @@ def apply_context_parallel(
     """Make a Hugging Face causal LM context-parallel, in place; returns the model.
 
     Supported: `upipe.integrations.hf_archs.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Mixtral, OLMo 2 / 3, Phi-3; what each needs is there, and why GptOss and Gemma
-    are refused). MoE models' router aux loss (`output_router_logits=True`) is the whole
+    Qwen3-MoE, Mixtral, OLMo 2 / 3, Phi-3, Gemma 3, gpt-oss; sliding windows, attention sinks,
+    per-layer-type RoPE; what each needs is there, and why Gemma 2 and Gemma 3's multimodal
+    model are refused). MoE models' router aux loss (`output_router_logits=True`) is the whole
     sequence's (`upipe.integrations.hf_moe`). Exactly one of `group` (1-D) or `mesh` (2-D, ring x
     ulysses, `upipe.make_mesh`). `strategy`: "upipe" (the fused staged op; `heads_per_stage`
     as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only).
@@ -304,10 +308,9 @@ def apply_context_parallel(
     `attention_outputs` ("keep" / "offload": the recomputation reuses each attention layer's
     forward outputs instead of calling its kernel again).
 
-    Raises ValueError for unsupported models and options (sliding window shorter than the
-    sequence -- checked per call --, dynamic rope, attention dropout, padding masks, labels=
-    without shift_labels=, generation, combinations of the memory features that do not
-    go together).
+    Raises ValueError for unsupported models and options (attention logit soft-capping,
+    bidirectional attention, dynamic rope, attention dropout, padding masks, labels= without
+    shift_labels=, generation, combinations of the memory features that do not go together).
     """
     arch = _check_model(model)
     options = MemoryOptions(

@@ -10,19 +10,39 @@ What differs between the supported decoders, and how upipe runs it:
 - q/k/v projections: separate `q_proj`/`k_proj`/`v_proj` (Llama, ...), or one fused
   `qkv_proj` `[(H + 2G) d, D]` (Phi-3), whose row blocks are handed to the attention as
   views (`FusedRows`: one split per call, so the weight gradient is one concatenation).
-- QK-norm: none; over each head's d features ("head": Qwen3, Qwen3-MoE), inside UPipe's
-  fused stages; or over the whole projection of a token, all H d (resp. G d) features at once
-  ("projection": OLMo 2 / OLMo 3). The latter couples all heads of a token, so the heads
-  cannot be projected stage by stage: q, k, v are projected and normalised in full by the
-  model's own norm modules, then the staged (not fused) UPipe op runs -- exact, but the
-  memory saving of the fused projections is lost (q/k/v `[B, L, H d]` exist).
+- QK-norm: none; over each head's d features ("head": Qwen3, Qwen3-MoE; Gemma 3's
+  zero-centred "(1 + weight)" form: `norm_offset`), inside UPipe's fused stages; or over the
+  whole projection of a token, all H d (resp. G d) features at once ("projection": OLMo 2 /
+  OLMo 3). The latter couples all heads of a token, so the heads cannot be projected stage
+  by stage: q, k, v are projected and normalised in full by the model's own norm modules,
+  then the staged (not fused) UPipe op runs -- exact, but the memory saving of the fused
+  projections is lost (q/k/v `[B, L, H d]` exist).
+- The softmax scale: the attention module's own `scaling` (head_dim ** -0.5; Gemma 3:
+  query_pre_attn_scalar ** -0.5), handed to the op.
+- Sliding windows (`window`, `layer_window`): where the model's own code applies
+  `config.sliding_window` -- on every layer (Mistral, Mixtral, Phi-3, Qwen3-MoE: their
+  decoder stack picks the sliding mask whenever config.sliding_window is set; Qwen3-MoE's
+  config sets it to None unless use_sliding_window), or on the layers whose
+  `config.layer_types` entry is "sliding_attention" (Qwen2 / Qwen3, whose configs derive
+  layer_types from use_sliding_window and max_window_layers; OLMo 3, Gemma 3, gpt-oss). Token
+  i then sees keys i-w+1 .. i, transformers' `sliding_window_overlay`; upipe's ops take it as
+  `window=w` (`upipe.attention.window`), so any sequence length is exact.
+- Attention sinks (gpt-oss): the module's own `sinks` parameter `[H]` is the layer's
+  `sinks` (`upipe.attention.sinks`); its gradient flows into it.
+- RoPE: cos/sin from the model's rotary embedding, one pair for all layers or one per layer
+  type (OLMo 3, Gemma 3: `rotary_embeddings`); rotate-half form over r <= d features (r < d:
+  Phi-3's partial rotary), or gpt-oss's halves form (`rope_halves`: cos/sin of d / 2 angles,
+  the two halves of each head rotated by them -- the rotate-half form with each angle twice).
 - Decoder layer (for upipe's own layer forward under `tiled_mlp` / `activation_checkpoint`):
   "pre_norm", h = x + attn(norm_1(x)), y = h + mlp(norm_2(h)) (Llama, Mistral, Qwen, Mixtral,
-  Phi-3 with resid_pdrop = 0); "post_norm", h = x + norm_1(attn(x)), y = h + norm_2(mlp(h))
-  (OLMo 2 / 3).
-- MoE (Mixtral, Qwen3-MoE): the model's sparse MoE block stays as it is (routing is per
-  token, so tiles of tokens route as the whole does); its router aux loss is computed over
-  the whole sequence (`upipe.integrations.hf_moe`).
+  gpt-oss, Phi-3 with resid_pdrop = 0); "post_norm", h = x + norm_1(attn(x)),
+  y = h + norm_2(mlp(h)) (OLMo 2 / 3); "sandwich", four norms, h = x + norm_2(attn(norm_1(x))),
+  y = h + norm_4(mlp(norm_3(h))) (Gemma 3: input / post-attention / pre- and post-feed-forward
+  layernorms).
+- MoE (Mixtral, Qwen3-MoE, gpt-oss): the model's sparse MoE block stays as it is (routing is
+  per token, so tiles of tokens route as the whole does; gpt-oss's returns (hidden, router
+  scores), of which the layer keeps the first); its router aux loss is computed over the
+  whole sequence (`upipe.integrations.hf_moe`).
 """
 
 from __future__ import annotations
@@ -43,22 +63,37 @@ class Arch:
     """"split" (q_proj, k_proj, v_proj) or "fused" (one qkv_proj)."""
     qk_norm: str | None = None
     """None, "head" (RMSNorm over each head's d) or "projection" (over all heads' H d)."""
+    norm_offset: float = 0.0
+    """The "head" QK-norm multiplies by norm_offset + weight: 1.0 for the zero-centred
+    "(1 + weight)" RMSNorm (Gemma 3, Qwen3-Next), run inside the fused stages as the model's
+    own norm computes it (`upipe.attention.staged_layer.rms_norm`)."""
     layer: str = "pre_norm"
-    """The decoder layer's form: "pre_norm" or "post_norm"."""
+    """The decoder layer's form: "pre_norm", "post_norm" or "sandwich"."""
     router: bool = False
     """Mixture-of-experts layers with top-k routers (an aux loss)."""
+    window: str | None = None
+    """Where config.sliding_window applies: None (nowhere), "all" (every layer) or
+    "layer_types" (the "sliding_attention" layers); module doc, `layer_window`."""
+    sinks: bool = False
+    """Attention sinks: the attention module's `sinks` parameter (gpt-oss)."""
+    rope_halves: bool = False
+    """cos/sin of d / 2 angles rotating the two halves of each head (gpt-oss)."""
 
 
 ARCHITECTURES: dict[str, Arch] = {
     "LlamaForCausalLM": Arch(),
-    "MistralForCausalLM": Arch(),
-    "Qwen2ForCausalLM": Arch(),
-    "Qwen3ForCausalLM": Arch(qk_norm="head"),
-    "Qwen3MoeForCausalLM": Arch(qk_norm="head", router=True),
-    "MixtralForCausalLM": Arch(router=True),
+    "MistralForCausalLM": Arch(window="all"),
+    "Qwen2ForCausalLM": Arch(window="layer_types"),
+    "Qwen3ForCausalLM": Arch(qk_norm="head", window="layer_types"),
+    "Qwen3MoeForCausalLM": Arch(qk_norm="head", router=True, window="all"),
+    "MixtralForCausalLM": Arch(router=True, window="all"),
     "Olmo2ForCausalLM": Arch(qk_norm="projection", layer="post_norm"),
-    "Olmo3ForCausalLM": Arch(qk_norm="projection", layer="post_norm"),
-    "Phi3ForCausalLM": Arch(qkv="fused"),
+    "Olmo3ForCausalLM": Arch(qk_norm="projection", layer="post_norm", window="layer_types"),
+    "Phi3ForCausalLM": Arch(qkv="fused", window="all"),
+    "Gemma3ForCausalLM": Arch(
+        qk_norm="head", norm_offset=1.0, layer="sandwich", window="layer_types"
+    ),
+    "GptOssForCausalLM": Arch(router=True, window="layer_types", sinks=True, rope_halves=True),
 }
 """The supported architectures (by class name: transformers is not imported)."""
 
@@ -73,47 +108,57 @@ dense MLP and fused attention projections -- not the experts of an MoE model, OL
 attention or Phi-3's fused rows."""
 
 
-def _sliding_layers(cfg) -> str:
-    types = list(getattr(cfg, "layer_types", None) or [])
-    n = types.count("sliding_attention")
+def _gemma2(cfg) -> str:
     return (
-        f"sliding-window layers (layer_types: {n} of {len(types)} 'sliding_attention', "
-        f"sliding_window={cfg.sliding_window})"
+        "Gemma2ForCausalLM is not supported: its attention logit soft-capping "
+        f"(attn_logit_softcapping={cfg.attn_logit_softcapping}: tanh on every score) is not in "
+        "upipe's attention kernels, and the architecture is not tested; Gemma3ForCausalLM is "
+        "supported"
     )
 
 
-def _gpt_oss(cfg) -> str:
+def _gemma3_multimodal(cfg) -> str:
     return (
-        f"GptOssForCausalLM needs attention sinks (a learned sink logit per head, "
-        f"self_attn.sinks) and {_sliding_layers(cfg)}, not supported yet"
+        "Gemma3ForConditionalGeneration is not supported: the image tokens attend to each other "
+        "both ways (a mask upipe's causal kernels do not have) and the vision tower is not "
+        "context-parallel; the text model, Gemma3ForCausalLM (a Gemma3TextConfig), is supported"
     )
-
-
-def _gemma(name):
-    def problem(cfg) -> str:
-        needs = [_sliding_layers(cfg)] if "sliding_attention" in (cfg.layer_types or ()) else []
-        if getattr(cfg, "attn_logit_softcapping", None):
-            needs.append(f"attention logit soft-capping ({cfg.attn_logit_softcapping})")
-        needs += [
-            f"the softmax scale query_pre_attn_scalar ** -0.5 ({cfg.query_pre_attn_scalar}), "
-            "not head_dim ** -0.5",
-            "Gemma's (1 + weight) RMSNorm as QK-norm",
-            "four norms per layer (pre/post attention, pre/post feed-forward)",
-            "a RoPE base per layer type (rope_parameters per 'sliding_attention' / "
-            "'full_attention')",
-        ]
-        return f"{name} needs {'; '.join(needs)}: not supported yet"
-
-    return problem
 
 
 BLOCKED = {
-    "GptOssForCausalLM": _gpt_oss,
-    "Gemma3ForCausalLM": _gemma("Gemma3ForCausalLM"),
-    "Gemma3ForConditionalGeneration": _gemma("Gemma3ForConditionalGeneration"),
-    "Gemma2ForCausalLM": _gemma("Gemma2ForCausalLM"),
+    "Gemma3ForConditionalGeneration": _gemma3_multimodal,
+    "Gemma2ForCausalLM": _gemma2,
 }
-"""Architectures refused with what they need (`upipe.integrations.hf` docs, "Supported")."""
+"""Architectures refused with what blocks them (`upipe.integrations.hf` docs, "Supported")."""
+
+
+def config_problem(cfg) -> str | None:
+    """A feature of a supported architecture's config that upipe does not compute, or None."""
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap:
+        return (
+            f"attn_logit_softcapping={softcap} (tanh on every attention score) is not "
+            "supported: upipe's attention kernels have no soft-capping; set "
+            "config.attn_logit_softcapping = None"
+        )
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return (
+            "use_bidirectional_attention=True is not supported: upipe's windows and kernels "
+            "are causal; set config.use_bidirectional_attention = False"
+        )
+    return None
+
+
+def layer_window(arch: Arch, cfg, layer_idx: int) -> int | None:
+    """The sliding window of decoder layer `layer_idx`, where the model applies it (module
+    doc), or None."""
+    window = getattr(cfg, "sliding_window", None)
+    if arch.window == "all":
+        return window
+    if arch.window == "layer_types":
+        kind = (getattr(cfg, "layer_types", None) or [])[layer_idx : layer_idx + 1]
+        return window if kind == ["sliding_attention"] else None
+    return None
 
 
 def architecture(model) -> Arch:
@@ -165,7 +210,9 @@ class _Rows:
 def layer_forward(arch: Arch):
     """upipe's forward of one decoder layer of `arch` (the module doc's forms):
     `fn(layer, memory, hidden_states, position_embeddings=None, **kwargs)`."""
-    return _post_norm_layer if arch.layer == "post_norm" else _pre_norm_layer
+    return {"pre_norm": _pre_norm_layer, "post_norm": _post_norm_layer}.get(
+        arch.layer, _sandwich_layer
+    )
 
 
 def _attention(layer, x_BLD, position_embeddings, kwargs):
@@ -176,6 +223,12 @@ def _attention(layer, x_BLD, position_embeddings, kwargs):
     return out_BLD
 
 
+def _mlp(layer, x_BTD):
+    """The layer's MLP output (gpt-oss's MoE block returns (hidden, router scores))."""
+    out = layer.mlp(x_BTD)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _pre_norm_layer(layer, memory, hidden_states, position_embeddings=None, **kwargs):
     """h = x + attn(norm_1(x)), then y = h + mlp(norm_2(h)), the second half in tiles with
     `tiled_mlp`; norm_1 runs in tiles, keeping only its input."""
@@ -183,13 +236,13 @@ def _pre_norm_layer(layer, memory, hidden_states, position_embeddings=None, **kw
     normed_BLD = tiled_recompute(layer.input_layernorm, x_BLD, opt.mlp_tile)
     h_BLD = x_BLD + _attention(layer, normed_BLD, position_embeddings, kwargs)
     if not opt.tiled_mlp:
-        return h_BLD + layer.mlp(layer.post_attention_layernorm(h_BLD))
+        return h_BLD + _norm_then_mlp(layer, h_BLD)
     fn = functools.partial(_norm_then_mlp, layer)
     return tiled_recompute(fn, h_BLD, opt.mlp_tile, residual=True)
 
 
 def _norm_then_mlp(layer, h_BTD):
-    return layer.mlp(layer.post_attention_layernorm(h_BTD))
+    return _mlp(layer, layer.post_attention_layernorm(h_BTD))
 
 
 def _post_norm_layer(layer, memory, hidden_states, position_embeddings=None, **kwargs):
@@ -200,13 +253,32 @@ def _post_norm_layer(layer, memory, hidden_states, position_embeddings=None, **k
     h_BLD = x_BLD + tiled_recompute(layer.post_attention_layernorm, attn_BLD, opt.mlp_tile)
     del attn_BLD
     if not opt.tiled_mlp:
-        return h_BLD + layer.post_feedforward_layernorm(layer.mlp(h_BLD))
+        return h_BLD + _mlp_then_norm(layer, h_BLD)
     fn = functools.partial(_mlp_then_norm, layer)
     return tiled_recompute(fn, h_BLD, opt.mlp_tile, residual=True)
 
 
 def _mlp_then_norm(layer, h_BTD):
-    return layer.post_feedforward_layernorm(layer.mlp(h_BTD))
+    return layer.post_feedforward_layernorm(_mlp(layer, h_BTD))
+
+
+def _sandwich_layer(layer, memory, hidden_states, position_embeddings=None, **kwargs):
+    """h = x + norm_2(attn(norm_1(x))), then y = h + norm_4(mlp(norm_3(h))), the second half
+    in tiles with `tiled_mlp`; norm_1 and norm_2 run in tiles, keeping only their inputs."""
+    x_BLD, opt = hidden_states, memory.options
+    normed_BLD = tiled_recompute(layer.input_layernorm, x_BLD, opt.mlp_tile)
+    attn_BLD = _attention(layer, normed_BLD, position_embeddings, kwargs)
+    del normed_BLD
+    h_BLD = x_BLD + tiled_recompute(layer.post_attention_layernorm, attn_BLD, opt.mlp_tile)
+    del attn_BLD
+    if not opt.tiled_mlp:
+        return h_BLD + _normed_mlp_normed(layer, h_BLD)
+    fn = functools.partial(_normed_mlp_normed, layer)
+    return tiled_recompute(fn, h_BLD, opt.mlp_tile, residual=True)
+
+
+def _normed_mlp_normed(layer, h_BTD):
+    return layer.post_feedforward_layernorm(_mlp(layer, layer.pre_feedforward_layernorm(h_BTD)))
 
 
 def rotary_embeddings(base, x_BLD, position_ids):

@@ -8,12 +8,20 @@ r rotary features per head (d, or fewer: partial rotary).
 
 from __future__ import annotations
 
+import torch
+
 from upipe.attention.module import ContextParallelAttention
-from upipe.attention.registry import get_strategy
-from upipe.attention.upipe import upipe_attention
-from upipe.attention.usp import usp_attention
-from upipe.integrations.hf_archs import Arch, FusedRows
+from upipe.integrations.hf_archs import Arch, FusedRows, layer_window
 from upipe.rope import apply_rope
+
+
+def _norm_eps(norm) -> float:
+    """The epsilon of a transformers RMSNorm (`variance_epsilon`: Llama-style; `eps`: Gemma's
+    (1 + weight) norm); upipe's default without a norm."""
+    if norm is None:
+        return 1e-6
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
 
 
 class HFContextParallelAttention(ContextParallelAttention):
@@ -25,8 +33,10 @@ class HFContextParallelAttention(ContextParallelAttention):
     for their global positions (r = d, or fewer: partial rotary); returns `(out [B, L, D],
     None)`. Inputs are validated once per model call by the hook that `apply_context_parallel`
     puts on the decoder stack. `arch` (`hf_archs.Arch`): where the q/k/v rows are (a fused
-    `qkv_proj`: Phi-3) and which QK-norm (per head inside the fused stages; over the whole
-    projection: OLMo, run unfused, see `hf_archs`).
+    `qkv_proj`: Phi-3), which QK-norm (per head inside the fused stages, (1 + weight) for Gemma
+    3; over the whole projection: OLMo, run unfused), this layer's sliding window, attention
+    sinks (the module's `sinks`, gpt-oss) and RoPE form (see `hf_archs`); the softmax scale is
+    the module's `scaling`.
     """
 
     def __init__(
@@ -45,7 +55,10 @@ class HFContextParallelAttention(ContextParallelAttention):
             strategy=strategy,
             heads_per_stage=heads_per_stage,
             backend=backend,
-            norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
+            softmax_scale=hf_attn.scaling,
+            window=layer_window(arch, config, hf_attn.layer_idx),
+            norm_eps=_norm_eps(q_norm),
+            norm_offset=arch.norm_offset,
             device="meta",  # placeholders, replaced by the model's own modules below
         )
         self.arch = arch
@@ -59,6 +72,8 @@ class HFContextParallelAttention(ContextParallelAttention):
             self._qkv_sizes = (H * d, G * d, G * d)
         if arch.qk_norm is not None:
             self.q_norm, self.k_norm = hf_attn.q_norm, hf_attn.k_norm
+        if arch.sinks:  # the model's own parameter (gpt-oss), its gradient flowing into it
+            self.sinks = hf_attn.sinks
         self.layer_idx = hf_attn.layer_idx
         self._state = state  # the model call's validated documents (set by the input hook)
 
@@ -68,6 +83,8 @@ class HFContextParallelAttention(ContextParallelAttention):
         # cu_seq_lens_q/k: validated by the input hook, which keeps them in the state
         B, L, _ = hidden_states.shape
         cos, sin = (t.expand(B, L, -1) for t in position_embeddings)
+        if self.arch.rope_halves:  # gpt-oss: each angle rotates feature j and j + d / 2
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         if self.arch.qkv == "fused":
             self.q_proj, self.k_proj, self.v_proj = FusedRows(self.qkv_proj, self._qkv_sizes).parts
         try:
@@ -86,12 +103,4 @@ class HFContextParallelAttention(ContextParallelAttention):
         k = self.k_norm(self.k_proj(x)).view(B, L, -1, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, L, -1, d)
-        kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, layout=self.layout)
-        where = dict(group=self.group) if self.mesh is None else dict(mesh=self.mesh)
-        if self.strategy == "upipe":
-            out = upipe_attention(q, k, v, heads_per_stage=self.heads_per_stage, **where, **kw)
-        elif self.mesh is None:
-            out = get_strategy(self.strategy).op(q, k, v, **where, **kw)
-        else:  # ulysses on a mesh: USP
-            out = usp_attention(q, k, v, **where, **kw)
-        return self.o_proj(out.flatten(2))
+        return self.o_proj(self._op(q, k, v, docs).flatten(2))

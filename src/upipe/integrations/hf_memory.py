@@ -283,14 +283,16 @@ def _keyword(name: str) -> str:
 
 
 def window_problem(cfg, S: int) -> str | None:
-    """Why a model with config `cfg` cannot attend over S tokens (its sliding window is
-    shorter: the window is not applied), or None."""
+    """Why a model with config `cfg` cannot attend over S tokens under another library's
+    attention (`apply_memory_features`: its sliding window is shorter, and the stack builds
+    no mask that would apply it), or None. (`apply_context_parallel` applies windows.)"""
     window = sliding_window(cfg)
     if window is not None and window < S:
         return (
-            f"sliding-window attention is not supported: the sequence ({S} tokens) is longer "
-            f"than config.sliding_window ({window}); use a sequence of at most {window} tokens "
-            "or a model without sliding window"
+            f"sliding-window attention is not supported by apply_memory_features (another "
+            f"library's attention, no mask): the sequence ({S} tokens) is longer than "
+            f"config.sliding_window ({window}); use apply_context_parallel (it applies the "
+            f"window), or a sequence of at most {window} tokens"
         )
     return None
 
@@ -450,6 +452,12 @@ def model_problem(model, options: MemoryOptions) -> str | None:
         problem = memory_problem(model, arch)
         if problem:
             return problem
+    if options.chunked_loss and getattr(model.config, "final_logit_softcapping", None):
+        return (
+            f"final_logit_softcapping={model.config.final_logit_softcapping} with "
+            "chunked_loss=True: the chunked loss takes the logits from lm_head alone, without "
+            "the soft-capping; use chunked_loss=False (the model's own logits apply it)"
+        )
     if options.chunked_loss:
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):

@@ -1,5 +1,5 @@
-"""The router aux loss of Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE) over a
-sequence split across ranks.
+"""The router aux loss of Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, gpt-oss)
+over a sequence split across ranks.
 
 Legend: E experts, k experts per token, N_l tokens of this rank in MoE layer l, C ranks.
 
@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 
 def is_router(module) -> bool:
-    """A top-k router of a transformers MoE block (MixtralTopKRouter, Qwen3MoeTopKRouter)."""
+    """A top-k router of a transformers MoE block (MixtralTopKRouter, Qwen3MoeTopKRouter,
+    GptOssTopKRouter: output[0] is the router logits, biased for gpt-oss)."""
     return type(module).__name__.endswith("TopKRouter")
 
 
