@@ -14,11 +14,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A package covers its submodules (unless one is listed itself); the root
 # package `upipe` covers only its own __init__ (the public API).
 LAYERS = {
-    # local attention kernels, communication, document boundaries, mesh, RoPE, GEMMs, the
-    # loops that repeat their memory, the spawned-ranks launcher, memory measurement (tracker,
-    # closed forms, fake process group), line plots
+    # local attention kernels (and the Gated DeltaNet's conv and scan), communication,
+    # document boundaries, mesh, RoPE, GEMMs, the loops that repeat their memory, the
+    # spawned-ranks launcher, memory measurement (tracker, closed forms, fake process group),
+    # line plots
     "base": (
         "upipe.torch_private", "upipe.kernels", "upipe.kernels_cuda", "upipe.kernels_select",
+        "upipe.kernels_deltanet",
         "upipe.comm", "upipe.packing", "upipe.mesh",
         "upipe.rope", "upipe.gemm", "upipe.comm_uneven",
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",
