@@ -229,6 +229,53 @@ def test_module_qk_norm(clusters, world_size, H, G, strategy, U):
         assert rel_err(sum(r[name] for r in res), ref[name]) < BWD, name
 
 
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "U"), [(2, "upipe", 2), (4, "upipe", 4), (2, "ulysses", None)]
+)
+def test_module_zero_centred_qk_norm(clusters, world_size, strategy, U):
+    """norm_offset=1.0 (Gemma 3's, Qwen3-Next's (1 + weight) QK-norm): the layer whose norm
+    weights are the reference's minus 1 computes the reference, fp32 and (as well as Ulysses
+    with the plain norm) bf16; the norm weights' gradients are the reference's."""
+    cfg = dict(B=2, S=16 * world_size, dim=32, num_heads=8, num_kv_heads=2, head_dim=8)
+    kwargs = {"strategy": strategy, "heads_per_stage": U, "qk_norm": True, "norm_offset": 1.0}
+    ref = module_reference(cfg, qk_norm=True)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    errs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        res = clusters(world_size).run(run_module, cfg, kwargs, dtype)
+        errs[dtype] = {
+            "y": rel_err(torch.cat([r["y"] for r in res], 1), ref["y"]),
+            "dx": rel_err(torch.cat([r["dx"] for r in res], 1), ref["dx"]),
+            **{n: rel_err(sum(r[n] for r in res), ref[n]) for n in names},
+        }
+    assert errs[torch.float32]["y"] < FWD, errs
+    assert max(errs[torch.float32].values()) < BWD, errs
+    plain = {"strategy": "ulysses", "qk_norm": True}
+    res = clusters(world_size).run(run_module, cfg, plain, torch.bfloat16)
+    single = rel_err(torch.cat([r["y"] for r in res], 1), ref["y"])
+    assert errs[torch.bfloat16]["y"] <= bf16_bound(single), (single, errs)
+    assert max(errs[torch.bfloat16].values()) < TOL[torch.bfloat16]["bwd"], errs
+
+
+def test_zero_centred_norm_is_transformers_gemma3_norm():
+    """staged_layer.rms_norm with offset 1 is transformers' Gemma3RMSNorm (also Qwen3-Next's)
+    bit for bit, in fp32 and bf16; offset 0 is torch's RMSNorm."""
+    pytest.importorskip("transformers")
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from upipe.attention.staged_layer import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        t = (3 * torch.randn(4, 5, 16, generator=gen)).to(dtype)
+        norm = Gemma3RMSNorm(16, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(0.1 * torch.randn(16, generator=gen))
+            assert torch.equal(rms_norm(t, norm.weight, 1e-6, 1.0), norm(t)), dtype
+            plain = torch.nn.RMSNorm(16, eps=1e-6).to(dtype)
+            assert torch.equal(rms_norm(t, plain.weight, 1e-6), plain(t)), dtype
+
+
 def test_module_bf16_as_good_as_ulysses(clusters):
     """bf16: the fused op (fp32 sums over stages, dx built in fp32 row chunks) is at least
     about as accurate as the plain Ulysses layer in bf16."""

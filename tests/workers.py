@@ -173,9 +173,10 @@ def run_module_on(group, cfg, kwargs, dtype=torch.float32):
         *(cfg.get(a) for a in MODULE_ARGS), group=group, dtype=dtype, **kwargs
     )
     qk_norm = kwargs.get("qk_norm", False)
+    offset = kwargs.get("norm_offset", 0.0)  # the same norm: its weight shifted by the offset
     with torch.no_grad():
         for n, t in make_weights(cfg, dtype=dtype, qk_norm=qk_norm).items():
-            getattr(layer, n).weight.copy_(t)
+            getattr(layer, n).weight.copy_(t - offset if n in NORMS else t)
     xs = upipe.shard_sequence(x, group=group).requires_grad_()
     y = layer(xs, upipe.shard_sequence(pos, group=group))
     y.backward(upipe.shard_sequence(dy, group=group))

@@ -8,7 +8,8 @@ Per round (kv heads `kv_idx`) and stage (query heads `q_idx`), on each rank:
     k_BLnd = rope(norm_k(x W_k[kv_idx]^T + b_k)),  v_BLnd = x W_v[kv_idx]^T + b_v
                                                    --seq_to_head-->  k_BSkd, v_BSkd
     q_BLUd = rope(norm_q(x W_q[q_idx]^T + b_q))    --seq_to_head-->  q_BSud
-(norm_q/norm_k: the optional QK-norm, RMSNorm over each head's d features; identity without;
+(norm_q/norm_k: the optional QK-norm, RMSNorm over each head's d features, times weight or
+1 + weight (zero-centred: Gemma 3, Qwen3-Next); identity without;
 b_q/b_k/b_v: the optional projection biases, as in Qwen2, with the heads' rows taken alike)
     out_BSud, lse = attention(q_BSud, k_BSkd, v_BSkd)  --head_to_seq-->  out_BLUd
     y = sum over stages of out_BLUd W_o[:, q_idx]^T    (after the stages, in row chunks,
@@ -293,7 +294,8 @@ class _FusedUPipe(torch.autograd.Function):
 
 
 def _layer(plan, x, wq, wk, wv, wo, q_norm, k_norm, bq, bk, bv, cos, sin) -> StagedLayer:
-    preps = (Prep(cos, sin, plan.rope_interleaved, w, plan.norm_eps) for w in (q_norm, k_norm))
+    rope = (cos, sin, plan.rope_interleaved)
+    preps = (Prep(*rope, w, plan.norm_eps, plan.norm_offset) for w in (q_norm, k_norm))
     return StagedLayer(x, wq, wk, wv, wo, (bq, bk, bv), *preps, plan)
 
 
@@ -317,6 +319,7 @@ def fused_upipe_attention(
     q_norm=None,
     k_norm=None,
     norm_eps=1e-6,
+    norm_offset=0.0,
     q_bias=None,
     k_bias=None,
     v_bias=None,
@@ -334,7 +337,8 @@ def fused_upipe_attention(
     wk/wv `[G*d, D]`, wo `[D, H*d]`), cos/sin `[B, L, d]` for the shard's global positions,
     `rounds` from `upipe.attention.schedule.plan_schedule` (this rank's). `q_norm`/`k_norm`
     (weights `[d]`): QK-norm, RMSNorm of each projected head before RoPE (Qwen3), recomputed
-    in backward.
+    in backward; it multiplies by `norm_offset` + weight (1.0: the zero-centred norm of Gemma 3
+    and Qwen3-Next, `staged_layer.rms_norm`).
     `q_bias` `[H*d]`, `k_bias`/`v_bias` `[G*d]`: projection biases (Qwen2), added before
     QK-norm and RoPE.
     The all-to-alls run over `group`
@@ -360,6 +364,7 @@ def fused_upipe_attention(
         attn=StageAttention(causal, softmax_scale, backend, ring_group, ring_layout, docs, window),
         rope_interleaved=rope_interleaved,
         norm_eps=norm_eps,
+        norm_offset=norm_offset,
         overlap=default_overlap(x, group) if overlap is None else bool(overlap),
         tensor_cores=uses_cuda_kernels(kernel),
     )

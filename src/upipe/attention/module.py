@@ -36,6 +36,7 @@ from upipe.attention.fused import fused_upipe_attention
 from upipe.attention.registry import MODULE_STRATEGIES, check_heads, get_strategy
 from upipe.attention.schedule import check_heads_per_stage, plan_schedule
 from upipe.attention.sinks import check_sinks
+from upipe.attention.staged_layer import rms_norm
 from upipe.attention.usp import usp_attention
 from upipe.attention.window import check_window
 from upipe.comm import check_layout_name
@@ -62,6 +63,10 @@ class ContextParallelAttention(nn.Module):
     every row's softmax denominator of query head h (`upipe.attention.sinks`). Its gradient
     on each rank is the rank's share (its heads, or on a ring its rows), like the weights':
     the sum over the ranks is the full gradient.
+    `qk_norm`: RMSNorm over each head's d features of q and k before RoPE (Qwen3; modules
+    `q_norm`, `k_norm`), times `norm_offset` + weight: 0.0 as torch's `nn.RMSNorm`, 1.0 the
+    zero-centred "(1 + weight)" norm of Gemma 3 and Qwen3-Next (`staged_layer.rms_norm`; the
+    weights then start at 0).
     `overlap` (strategy "upipe"): start each next stage's all-to-alls while the current
     stage's attention runs (same results bit for bit; costs up to 8 stage buffers, 8U/H of
     one [B, L, H*d] tensor; `upipe.attention.fused`). None: on for CUDA inputs of at most
@@ -87,6 +92,7 @@ class ContextParallelAttention(nn.Module):
         rope_interleaved: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        norm_offset: float = 0.0,
         causal: bool = True,
         backend: str | None = None,
         window: int | None = None,
@@ -165,14 +171,16 @@ class ContextParallelAttention(nn.Module):
             )
         sink_param = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
         self.register_parameter("sinks", sink_param if sinks else None)
-        # QK-norm (Qwen3): RMSNorm over each head's d features of q and k, before RoPE
-        self.norm_eps = norm_eps
-        self.q_norm = (
-            nn.RMSNorm(head_dim, eps=norm_eps, device=device, dtype=dtype) if qk_norm else None
-        )
-        self.k_norm = (
-            nn.RMSNorm(head_dim, eps=norm_eps, device=device, dtype=dtype) if qk_norm else None
-        )
+        # QK-norm (Qwen3): RMSNorm over each head's d features of q and k, before RoPE, times
+        # norm_offset + weight (the weight starts at 1 - norm_offset: a plain RMSNorm)
+        self.norm_eps, self.norm_offset = norm_eps, float(norm_offset)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            kw = dict(eps=norm_eps, device=device, dtype=dtype)
+            self.q_norm, self.k_norm = nn.RMSNorm(head_dim, **kw), nn.RMSNorm(head_dim, **kw)
+            if self.norm_offset:
+                for norm in (self.q_norm, self.k_norm):
+                    nn.init.constant_(norm.weight, 1.0 - self.norm_offset)
 
     def extra_repr(self) -> str:
         return (
@@ -272,6 +280,7 @@ class ContextParallelAttention(nn.Module):
                 q_norm=None if self.q_norm is None else self.q_norm.weight,
                 k_norm=None if self.k_norm is None else self.k_norm.weight,
                 norm_eps=self.norm_eps,
+                norm_offset=self.norm_offset,
                 q_bias=self.q_proj.bias,
                 k_bias=self.k_proj.bias,
                 v_bias=self.v_proj.bias,
@@ -288,7 +297,7 @@ class ContextParallelAttention(nn.Module):
         rot = dict(interleaved=self.rope_interleaved)
         q, k = self.q_proj(x).view(B, L, -1, d), self.k_proj(x).view(B, L, -1, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._qk_norm(self.q_norm, q), self._qk_norm(self.k_norm, k)
         q, k = apply_rope(q, cos, sin, **rot), apply_rope(k, cos, sin, **rot)
         v = self.v_proj(x).view(B, L, -1, d)
         kw = dict(causal=self.causal, backend=self.backend, cu_seqlens=docs, window=self.window)
@@ -299,3 +308,10 @@ class ContextParallelAttention(nn.Module):
         else:  # ulysses on a mesh: USP
             out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, **kw)
         return self.o_proj(out.flatten(2))
+
+    def _qk_norm(self, norm, t_BLnd):
+        """The QK-norm module's own call, or with `norm_offset` its weight through
+        `staged_layer.rms_norm` (as the fused op computes it)."""
+        if not self.norm_offset:
+            return norm(t_BLnd)
+        return rms_norm(t_BLnd, norm.weight, self.norm_eps, self.norm_offset)

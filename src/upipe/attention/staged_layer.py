@@ -40,6 +40,8 @@ class FusedPlan:
     rope_interleaved: bool
     norm_eps: float
     """the QK-norm's epsilon"""
+    norm_offset: float
+    """the QK-norm multiplies by norm_offset + weight (`rms_norm`)"""
     overlap: bool
     """start the next stage's exchanges before the current stage's attention (module doc)"""
     tensor_cores: bool
@@ -51,20 +53,35 @@ def _project(x_ND, w_rows, b_rows):
     return x_ND @ w_rows.t() if b_rows is None else torch.addmm(b_rows, x_ND, w_rows.t())
 
 
+def rms_norm(t, weight, eps: float, offset: float = 0.0):
+    """RMSNorm over the last dim, times `offset + weight`.
+
+    offset 0: torch's `F.rms_norm` (Llama, Qwen3). offset 1: the zero-centred form of Gemma 3
+    and Qwen3-Next (transformers' `Gemma3RMSNorm`, `Qwen3NextRMSNorm`; the weight starts at
+    0), computed as they compute it -- x / sqrt(mean(x^2) + eps) * (1 + weight) in fp32,
+    rounded once to t's dtype -- so that a bf16 weight near 0 is not rounded after adding 1."""
+    if not offset:
+        return F.rms_norm(t, (t.shape[-1],), weight, eps)
+    normed = F.rms_norm(t.float(), (t.shape[-1],), None, eps)
+    return (normed * (offset + weight.float())).to(t.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prep:
     """What happens to projected q or k heads before the exchange: RMSNorm over d with
-    weight `norm_w` (QK-norm, as in Qwen3; skipped when None), then RoPE."""
+    weight `norm_w` (QK-norm, as in Qwen3; times `offset + norm_w`: `rms_norm`; skipped
+    when norm_w is None), then RoPE."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     interleaved: bool
     norm_w: torch.Tensor | None = None
     eps: float = 1e-6
+    offset: float = 0.0
 
     def __call__(self, t_BLnd):
         if self.norm_w is not None:
-            t_BLnd = F.rms_norm(t_BLnd, (t_BLnd.shape[-1],), self.norm_w, self.eps)
+            t_BLnd = rms_norm(t_BLnd, self.norm_w, self.eps, self.offset)
         return apply_rope(t_BLnd, self.cos, self.sin, interleaved=self.interleaved)
 
     def backward(self, g_BLnd, x_ND, w_rows, b_rows=None):
@@ -76,7 +93,7 @@ class Prep:
         with torch.enable_grad():  # the norm's backward, by autograd on the recomputed input
             t_BLnd = _project(x_ND, w_rows, b_rows).view_as(g_BLnd).requires_grad_()
             w = self.norm_w.detach().requires_grad_()
-            y_BLnd = F.rms_norm(t_BLnd, (t_BLnd.shape[-1],), w, self.eps)
+            y_BLnd = rms_norm(t_BLnd, w, self.eps, self.offset)
             return torch.autograd.grad(y_BLnd, (t_BLnd, w), g_BLnd)
 
 

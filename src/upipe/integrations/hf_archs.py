@@ -43,6 +43,10 @@ class Arch:
     """"split" (q_proj, k_proj, v_proj) or "fused" (one qkv_proj)."""
     qk_norm: str | None = None
     """None, "head" (RMSNorm over each head's d) or "projection" (over all heads' H d)."""
+    norm_offset: float = 0.0
+    """The "head" QK-norm multiplies by norm_offset + weight: 1.0 for the zero-centred
+    "(1 + weight)" RMSNorm (Gemma 3, Qwen3-Next), run inside the fused stages as the model's
+    own norm computes it (`upipe.attention.staged_layer.rms_norm`)."""
     layer: str = "pre_norm"
     """The decoder layer's form: "pre_norm" or "post_norm"."""
     router: bool = False

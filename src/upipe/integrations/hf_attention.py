@@ -16,6 +16,15 @@ from upipe.integrations.hf_archs import Arch, FusedRows
 from upipe.rope import apply_rope
 
 
+def _norm_eps(norm) -> float:
+    """The epsilon of a transformers RMSNorm (`variance_epsilon`: Llama-style; `eps`: Gemma's
+    (1 + weight) norm); upipe's default without a norm."""
+    if norm is None:
+        return 1e-6
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
 class HFContextParallelAttention(ContextParallelAttention):
     """A Hugging Face attention module's projections, run context-parallel.
 
@@ -45,7 +54,8 @@ class HFContextParallelAttention(ContextParallelAttention):
             strategy=strategy,
             heads_per_stage=heads_per_stage,
             backend=backend,
-            norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
+            norm_eps=_norm_eps(q_norm),
+            norm_offset=arch.norm_offset,
             device="meta",  # placeholders, replaced by the model's own modules below
         )
         self.arch = arch
