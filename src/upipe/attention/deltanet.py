@@ -74,14 +74,20 @@ def heads_problem(H: int, G: int, C: int) -> str | None:
     return None
 
 
-def check_stages(H: int, G: int, C: int, heads_per_stage) -> int:
-    """`heads_per_stage` (None: C) checked for these heads, as a ValueError naming the layer."""
+def check_stages(H: int, G: int, C: int, heads_per_stage, name="heads_per_stage") -> int:
+    """`heads_per_stage` (None: C) checked for these heads (the schedule's rules, value heads
+    for query heads and key heads for kv heads), as a ValueError naming the layer and the
+    keyword `name` it came from."""
     problem = heads_problem(H, G, C)
     if problem is None:
         try:
             return check_heads_per_stage(H, G, C, heads_per_stage)
         except ValueError as e:
-            problem = str(e).replace("query heads", "value heads").replace("kv heads", "key heads")
+            words = (("query heads", "value heads"), ("kv heads", "key heads"),
+                     ("heads_per_stage", name))  # fmt: skip
+            problem = str(e)
+            for old, new in words:
+                problem = problem.replace(old, new)
     raise ValueError(f"Gated DeltaNet ({H} value heads, {G} key heads): {problem}")
 
 

@@ -65,9 +65,11 @@ def deltanet_problem(layer) -> str | None:
 class HFContextParallelDeltaNet(nn.Module):
     """A Hugging Face Gated DeltaNet layer on this rank's tokens (module doc); called as the
     decoder layer calls `linear_attn`: `forward(hidden_states [B, L, D], ...)` -> `[B, L, D]`.
-    `strategy`: "upipe" (`heads_per_stage` value heads per stage) or "ulysses"."""
+    `strategy`: "upipe" (`heads_per_stage` value heads per stage; `keyword`: its name in
+    error messages) or "ulysses"."""
 
-    def __init__(self, hf_layer, *, group, strategy, heads_per_stage, state):
+    def __init__(self, hf_layer, *, group, strategy, heads_per_stage, state,
+                 keyword="heads_per_stage"):  # fmt: skip
         super().__init__()
         problem = deltanet_problem(hf_layer)
         if problem:
@@ -83,7 +85,7 @@ class HFContextParallelDeltaNet(nn.Module):
         self.d, self.e = hf_layer.head_k_dim, hf_layer.head_v_dim
         C = dist.get_world_size(group)
         U = all_heads(self.H, C) if strategy == "ulysses" else heads_per_stage
-        check_stages(self.H, self.G, C, U)
+        check_stages(self.H, self.G, C, U, keyword)
         self.group, self.strategy, self.heads_per_stage = group, strategy, heads_per_stage
         self.scan_backend = None  # auto: fla on CUDA where installed (upipe.kernels_deltanet)
         hf_module = importlib.import_module(type(hf_layer).__module__)
