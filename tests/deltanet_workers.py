@@ -60,11 +60,11 @@ def inputs():
     return torch.randn(BATCH, SEQ, D, generator=gen), torch.randn(BATCH, SEQ, D, generator=gen)
 
 
-def reference(kind, docs=None, **heads):
-    """The unconverted layer on the whole sequence (or on each document alone): y, dx and
-    the parameter gradients for `inputs()`."""
-    layer = hf_layer(kind, **heads)
-    x, dy = inputs()
+def reference(kind, docs=None, dtype=torch.float32, **heads):
+    """The unconverted layer on the whole sequence (or on each document alone), in `dtype`:
+    y, dx and the parameter gradients for `inputs()`."""
+    layer = hf_layer(kind, **heads).to(dtype)
+    x, dy = (t.to(dtype) for t in inputs())
     x.requires_grad_()
     pieces = [(0, SEQ)] if docs is None else list(itertools.pairwise(docs))
     y = torch.cat([layer(x[:, a:b]) for a, b in pieces], dim=1)
@@ -73,20 +73,20 @@ def reference(kind, docs=None, **heads):
 
 
 def run_layer(rank, world_size, cases):
-    """Each case (kind, strategy, heads_per_stage, docs, heads, backend) through upipe's
-    layer on this rank's block of `inputs()`: (y, dx, parameter gradients summed over the
-    ranks, the line of the layer's repr that names its strategy)."""
+    """Each case (kind, strategy, heads_per_stage, docs, heads, backend, dtype) through
+    upipe's layer on this rank's block of `inputs()`: (y, dx, parameter gradients summed over
+    the ranks, the line of the layer's repr that names its strategy)."""
     from upipe.integrations.hf_deltanet import HFContextParallelDeltaNet
 
     group = dist.group.WORLD
     found = []
-    for kind, strategy, U, docs, heads, backend in cases:
+    for kind, strategy, U, docs, heads, backend, dtype in cases:
         module = HFContextParallelDeltaNet(
-            hf_layer(kind, **heads), group=group, strategy=strategy, heads_per_stage=U,
-            state={"docs": docs},
+            hf_layer(kind, **heads).to(dtype), group=group, strategy=strategy,
+            heads_per_stage=U, state={"docs": docs},
         )  # fmt: skip
         module.scan_backend = backend
-        x, dy = (shard_sequence(t, group=group) for t in inputs())
+        x, dy = (shard_sequence(t.to(dtype), group=group) for t in inputs())
         x.requires_grad_()
         y = module(x)
         y.backward(dy)

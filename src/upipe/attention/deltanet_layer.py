@@ -230,17 +230,15 @@ def split_keys(recv_BSw, step: Step, rank: int, d: int, keep: bool):
 
 @dataclasses.dataclass
 class StageWeights:
-    """The parameters one step uses on this rank, as separate tensors (leaves in the staged
-    backward): conv taps of its key heads' q | k and of its value heads, their A_log and
-    dt_bias, the norm weight, and z / out rows of the stage's value heads of every rank."""
+    """The parameters one step's heads use on this rank in the head layout, as separate
+    tensors (leaves in the staged backward): conv taps of its key heads' q | k and of its
+    value heads, their A_log and dt_bias, and the norm weight."""
 
     conv_qk: torch.Tensor
     conv_v: torch.Tensor
     A_log: torch.Tensor
     dt_bias: torch.Tensor
     norm: torch.Tensor
-    z: torch.Tensor
-    out: torch.Tensor
 
     @classmethod
     def of(cls, w: DeltaNetWeights, step: Step, rank: int):
@@ -252,8 +250,6 @@ class StageWeights:
             A_log=gather_rows(w.A_log, vr),
             dt_bias=gather_rows(w.dt_bias, vr),
             norm=w.norm,
-            z=gather_rows(w.z, step.values),
-            out=gather_rows(w.out, step.values),
         )
 
     def tensors(self):
@@ -261,9 +257,9 @@ class StageWeights:
 
     @staticmethod
     def add_grads(grads: dict, grad_tensors, step: Step, rank: int, d: int) -> None:
-        """Add this step's parameter gradients (in `tensors()` order) into `grads` (flat
+        """Add this step's gradients of them (in `tensors()` order) into `grads` (flat fp32
         accumulators by DeltaNetWeights field)."""
-        dconv_qk, dconv_v, dA, ddt, dnorm, dz, dout = grad_tensors
+        dconv_qk, dconv_v, dA, ddt, dnorm = grad_tensors
         kr, vr = (step.keys[rank],), (step.values[rank],)
         n = step.keys[rank][1] * d
         add_rows_(grads["conv_q"], kr, dconv_qk[:n])
@@ -272,8 +268,6 @@ class StageWeights:
         add_rows_(grads["A_log"], vr, dA)
         add_rows_(grads["dt_bias"], vr, ddt)
         grads["norm"].add_(dnorm)
-        add_rows_(grads["z"], step.values, dz)
-        add_rows_(grads["out"], step.values, dout)
 
 
 def gated_rms_norm(o, z, weight, eps):
@@ -314,16 +308,14 @@ def mix(qk_BSc, vba_BSc, sw: StageWeights, step: Step, scan: Scan, d: int, e: in
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def stage_output(x_ND, qk_BSc, vba_BSc, sw: StageWeights, step: Step, plan, d, e, B, L):
-    """The step's share of y `[N, D]`: mix, the exchange back, the gated norm with z, the
-    output rows (differentiable: the staged backward recomputes it with a graph)."""
+def gated_output(qk_BSc, vba_BSc, z_BLne, sw: StageWeights, step: Step, plan, d, e):
+    """The step's heads (every rank's) before out_proj, `[B, L, n, e]`: mix, the exchange
+    back, the gated norm with z (differentiable: the staged backward recomputes it with a
+    graph)."""
     o_BShe = mix(qk_BSc, vba_BSc, sw, step, plan.scan, d, e)
     o_BLne = ValuesToSequence.apply(o_BShe, step.value_counts(), plan.ex)
     del o_BShe
-    z_BLne = (x_ND @ sw.z.t()).view(o_BLne.shape)
-    out_BLne = gated_rms_norm(o_BLne, z_BLne, sw.norm, plan.eps)
-    del o_BLne, z_BLne
-    return out_BLne.reshape(B * L, -1) @ sw.out
+    return gated_rms_norm(o_BLne, z_BLne.view(o_BLne.shape), sw.norm, plan.eps)
 
 
 def ulysses_deltanet(x, w: DeltaNetWeights, plan: DeltaNetPlan):
@@ -337,6 +329,7 @@ def ulysses_deltanet(x, w: DeltaNetWeights, plan: DeltaNetPlan):
     recv_BSw = ToHeads.apply(packed_BLW, step.widths(True, d, e), plan.ex)
     del packed_BLW
     qk_BSc, vba_BSc = split_keys(recv_BSw, step, plan.rank, d, keep=False)
+    z_ND = x_ND @ gather_rows(w.z, step.values).t()
     sw = StageWeights.of(w, step, plan.rank)
-    y_ND = stage_output(x_ND, qk_BSc, vba_BSc, sw, step, plan, d, e, B, L)
-    return y_ND.view(B, L, D)
+    out_BLne = gated_output(qk_BSc, vba_BSc, z_ND, sw, step, plan, d, e)
+    return (out_BLne.reshape(B * L, -1) @ gather_rows(w.out, step.values)).view(B, L, D)

@@ -38,12 +38,14 @@ from upipe.attention.deltanet_layer import (
     StageWeights,
     add_rows_,
     flat_shape,
+    gated_output,
+    gather_rows,
     packed_rows,
     packed_to_sequence,
     project_exchange,
     split_keys,
-    stage_output,
 )
+from upipe.gemm import addmm_acc_
 from upipe.kernels import acc_dtype
 
 
@@ -60,9 +62,13 @@ def _forward(x, w: DeltaNetWeights, plan):
         else:
             vba_BSc = recv_BSw
         del recv_BSw
+        z_ND = x_ND @ gather_rows(w.z, step.values).t()
         sw = StageWeights.of(w, step, plan.rank)
-        y_ND += stage_output(x_ND, qk_BSc, vba_BSc, sw, step, plan, d, e, B, L)
-        del vba_BSc, sw
+        out_BLne = gated_output(qk_BSc, vba_BSc, z_ND, sw, step, plan, d, e)
+        del vba_BSc, z_ND, sw
+        addmm_acc_(y_ND, out_BLne.view(B * L, -1), gather_rows(w.out, step.values),
+                   tensor_cores=x.is_cuda)  # fmt: skip
+        del out_BLne
         if step.last:
             qk_BSc = None
     return y_ND.to(x.dtype).view(B, L, D)
@@ -88,21 +94,27 @@ def _backward(dy, x, w: DeltaNetWeights, plan):
             vba_BSc = recv_BSw
         del recv_BSw
         vba_BSc = vba_BSc.detach().requires_grad_()
-        stage_weights = StageWeights.of(w, step, plan.rank).tensors()
-        leaves = [t.detach().requires_grad_() for t in stage_weights]
-        del stage_weights
-        x_leaf = x_ND.detach().requires_grad_()
+        z_rows, out_rows = (gather_rows(t, step.values) for t in (w.z, w.out))
+        z_ND = (x_ND @ z_rows.t()).requires_grad_()
+        leaves = [
+            t.detach().requires_grad_() for t in StageWeights.of(w, step, plan.rank).tensors()
+        ]
         with torch.enable_grad():
             sw = StageWeights(*leaves)
-            y_ND = stage_output(x_leaf, qk_BSc, vba_BSc, sw, step, plan, d, e, B, L)
-            dqk, dvba_BSc, dx_z, *dparams = torch.autograd.grad(
-                y_ND, [qk_BSc, vba_BSc, x_leaf, *leaves], dy_ND, materialize_grads=True
+            out_BLne = gated_output(qk_BSc, vba_BSc, z_ND, sw, step, plan, d, e)
+            # y = out W_out[s]^T: the output rows' gradient and dout by hand (no [N, D] root)
+            dout_BLne = (dy_ND @ out_rows.t()).view(out_BLne.shape)
+            dqk, dvba_BSc, dz_ND, *dparams = torch.autograd.grad(
+                out_BLne, [qk_BSc, vba_BSc, z_ND, *leaves], dout_BLne, materialize_grads=True
             )
-        del y_ND, sw, leaves, x_leaf, vba_BSc
+        del sw, leaves, vba_BSc, dout_BLne
+        add_rows_(grads["out"], step.values, out_BLne.detach().view(B * L, -1).t() @ dy_ND)
+        del out_BLne
+        add_rows_(grads["z"], step.values, dz_ND.t() @ x_ND)
+        addmm_acc_(dx_ND, dz_ND, z_rows, tensor_cores=x.is_cuda)
+        del dz_ND, z_ND, z_rows, out_rows
         dqk_BSc += dqk
         del dqk
-        dx_ND += dx_z
-        del dx_z
         StageWeights.add_grads(grads, dparams, step, plan.rank, d)
         del dparams
         _send_back(x_ND, w, step, plan, dvba_BSc, dqk_BSc if step.last else None, grads, dx_ND)
@@ -128,7 +140,7 @@ def _send_back(x_ND, w, step, plan, dvba_BSc, dqk_BSc, grads, dx_ND):
     d_NW = packed_to_sequence(d_BSw.contiguous(), widths, plan.ex).view(x_ND.shape[0], -1)
     del d_BSw, parts
     rows_WD = packed_rows(w, step, keys)
-    dx_ND.add_(d_NW @ rows_WD)
+    addmm_acc_(dx_ND, d_NW, rows_WD, tensor_cores=x_ND.is_cuda)
     del rows_WD
     drows_WD = d_NW.t() @ x_ND
     off = 0
