@@ -149,3 +149,42 @@ def run_layer_fla(rank, world_size, cases):
     """`run_layer` with the scan through fla's contract (the stand-in)."""
     install_fla_stand_in()
     return run_layer(rank, world_size, cases)
+
+
+def op_errors(rank, world_size, cases):
+    """Each bad call of `upipe.attention.gated_deltanet` -> its ValueError message on this
+    rank (None if it did not raise)."""
+    from upipe.attention.common import forget_agreements
+    from upipe.attention.deltanet import gated_deltanet
+    from upipe.integrations.hf_deltanet import HFContextParallelDeltaNet
+
+    group = dist.group.WORLD
+    module = HFContextParallelDeltaNet(
+        hf_layer("3.5"), group=group, strategy="upipe", heads_per_stage=None, state={}
+    )
+    x = shard_sequence(inputs()[0], group=group)
+    found = {}
+    for name in cases:
+        forget_agreements()
+        kw = dict(group=group, reference=module.reference)
+        arg = x
+        if name == "width":
+            arg = x[..., :-1]
+        elif name == "dtype":
+            arg = x.double()
+        elif name == "strategy":
+            kw["strategy"] = "ring"
+        elif name == "stages":
+            kw["heads_per_stage"] = 3
+        elif name == "reference":
+            kw["reference"] = None
+        elif name == "backend":
+            kw["backend"] = "triton"
+        elif name == "documents_rank1" and rank == 1:
+            kw["cu_seqlens"] = (0, 5, SEQ - 1)
+        try:
+            gated_deltanet(arg, module.weights(), **kw)
+            found[name] = None
+        except ValueError as e:
+            found[name] = str(e)
+    return found

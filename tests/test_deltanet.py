@@ -94,3 +94,22 @@ def test_fla_path_follows_its_contract(clusters):
     results = clusters(2).run(W.run_layer_fla, cases)
     for case, per_rank in zip(cases, zip(*results, strict=True), strict=True):
         _check(case, per_rank)
+
+
+OP_ERRORS = {
+    "width": f"x must be [batch, local_seq, {W.D}], got (2, 64, 63)",
+    "dtype": "x has dtype torch.float64 but the weights have torch.float32",
+    "strategy": "strategy must be 'ulysses' or 'upipe', got 'ring'",
+    "stages": "Gated DeltaNet (4 value heads, 2 key heads): heads_per_stage (3)",
+    "reference": "the 'torch' scan needs reference=",
+    "backend": "unknown scan backend 'triton'",
+    "documents_rank1": "cu_seqlens must start at 0 and end at the full sequence length 128",
+}
+
+
+def test_bad_input_raises_on_every_rank(clusters):
+    found = clusters(2).run(W.op_errors, tuple(OP_ERRORS))
+    for rank, by_case in enumerate(found):
+        for case, expected in OP_ERRORS.items():
+            assert by_case[case] is not None, f"rank {rank}: {case} did not raise"
+            assert expected in by_case[case], (rank, case, by_case[case])

@@ -15,7 +15,9 @@ d head dim, C ranks the sequence is split over (group size, or ring x ulysses on
 `self_attn`. It holds the model's own `q_proj`/`k_proj`/`v_proj`/`o_proj` (Phi-3's fused
 `qkv_proj`; Qwen3's and OLMo's `q_norm`/`k_norm`: `upipe.integrations.hf_archs`) modules --
 the same objects, so no weight is copied or permuted and the state-dict keys are unchanged: a
-checkpoint loads before or after the call. RoPE comes from the model itself: its rotary
+checkpoint loads before or after the call. A hybrid model's Gated DeltaNet layers
+(`linear_attn`: Qwen3-Next, Qwen3.5) get a `HFContextParallelDeltaNet` the same way
+(`upipe.integrations.hf_deltanet`). RoPE comes from the model itself: its rotary
 embedding turns the *global* position ids of this rank's tokens
 into cos/sin (rope scaling "linear", "llama3", "yarn" included), which the decoder layers
 hand to the attention. Nothing is imported from `transformers` at import time; models are
