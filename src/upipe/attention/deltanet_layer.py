@@ -121,6 +121,9 @@ class Step:
 
 
 def _step(rnd, s: int, C: int, rank: int) -> Step:
+    """Stage s of round `rnd` as per-rank ranges. An even round's rank c holds k virtual key
+    heads from rnd.first + c k (real head = virtual // m) and, of each, stage s's `up` value
+    heads: one contiguous run of k up value heads (k > 1 only when up is all of them)."""
     last = s == len(rnd.stages) - 1
     if isinstance(rnd, Round):
         k, m, up = rnd.width // C, rnd.replicas, rnd.stage_width
