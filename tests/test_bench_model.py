@@ -108,3 +108,20 @@ def test_model_options_are_checked():
         assert validate(bad, 2) == message
         with pytest.raises(ValueError, match=message):  # before any rank is spawned
             run_bench(bad, quiet=True)
+
+
+def test_hybrid_model_agrees_with_the_unsharded_model(clusters):
+    """--hybrid: a Qwen3-Next (a Gated DeltaNet layer, then gated full attention) under
+    apply_context_parallel's methods; ALST's are skipped with the reason."""
+    cfg = BenchConfig(model=True, hybrid=True, **{**FULL, "seq_lens": (256,), "layers": 2,
+                      "methods": ("upipe-ulysses", "upipe", "upipe-full", "alst")})  # fmt: skip
+    assert validate(cfg, 2) is None
+    assert "no Gated DeltaNet" in ModelMethod("alst").problem(H=8, G=2, C=2, hybrid=True)
+    methods = [ModelMethod(n) for n in cfg.methods[:3]]
+    rows = drive(clusters(2).run, cfg, methods)
+    judge(rows, "float32", None)
+    for r in rows:  # loss and summed gradients vs one process: fp32 rounding
+        assert r["correct"] and r["max_rel_err"] < 1e-5, r
+    assert validate(BenchConfig(hybrid=True, **SMALL), 2) == (
+        "--hybrid is an option of --model (a hybrid model's training step)"
+    )

@@ -21,12 +21,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A package covers its submodules (unless one is listed itself); the root
 # package `upipe` covers only its own __init__ (the public API).
 LAYERS = {
-    # local attention kernels, communication (layouts, the head exchange, ring send/recv),
-    # the head rules and plans (torch-free), document boundaries, mesh, RoPE, GEMMs, the
+    # local attention kernels (and the Gated DeltaNet's conv and scan), communication
+    # (layouts, the head exchange, ring send/recv), the head rules and plans (torch-free),
+    # document boundaries, mesh, RoPE, GEMMs, the
     # loops that repeat their memory, the spawned-ranks launcher, memory measurement (tracker,
     # closed forms, fake process group), line plots
     "base": (
         "upipe.torch_private", "upipe.kernels", "upipe.kernels_cuda", "upipe.kernels_select",
+        "upipe.kernels_deltanet",
         "upipe.comm", "upipe.heads", "upipe.packing", "upipe.mesh",
         "upipe.rope", "upipe.gemm",
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",

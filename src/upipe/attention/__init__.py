@@ -7,7 +7,8 @@ softmax_scale, backend, layout, cu_seqlens)`: `usp_attention` takes a 2-D `mesh`
 `documents` (which kernel calls a block makes) and `varlen` (one CUDA call for all).
 `registry.STRATEGIES` says what each one needs (group or mesh, default layout, kv-head
 rule); `ContextParallelAttention` (module.py) is the layer that projects, applies RoPE and
-calls one of them.
+calls one of them. `gated_deltanet` (deltanet.py) is the linear attention of hybrid models
+(Qwen3-Next, Qwen3.5) split by heads the same ways (Ulysses, UPipe stages).
 
 Under `torch.compile` each strategy op is one clean graph break (`torch.compiler.disable`):
 the rest of the model compiles, and the op runs as written. Its buffers are freed and its
@@ -16,6 +17,7 @@ which a traced graph would not keep; the validation exchange (`common`) runs out
 graph too, and is skipped once the inputs' signature was agreed.
 """
 
+from upipe.attention.deltanet import gated_deltanet
 from upipe.attention.module import ContextParallelAttention
 from upipe.attention.registry import STRATEGIES, Strategy, get_strategy
 from upipe.attention.ring import ring_attention
@@ -27,6 +29,7 @@ __all__ = [
     "STRATEGIES",
     "ContextParallelAttention",
     "Strategy",
+    "gated_deltanet",
     "get_strategy",
     "ring_attention",
     "ulysses_attention",

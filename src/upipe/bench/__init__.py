@@ -105,6 +105,12 @@ class BenchConfig:
     """Check the results against the float64 reference (--model: the unsharded model) at the
     lengths up to this one only (0: at every length; the one-process reference costs about
     as much as a method's step, more in float64); unchecked rows show "-" as their error."""
+    hybrid: bool = False
+    """--model: a hybrid Qwen3NextForCausalLM instead of a Llama -- Gated DeltaNet layers
+    (--heads value heads over --kv-heads key heads of --head-dim) and, every fourth layer
+    and the last, gated full attention (--heads query and --kv-heads kv heads), dense MLPs;
+    only upipe's HF methods run (upipe, upipe-ulysses, upipe-full: ALST has no Gated
+    DeltaNet)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -143,6 +149,8 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
         return f"--attention-kernel {cfg.attention_kernel} runs on CUDA (--device cuda)"
     if cfg.model:
         return _model_problem(cfg)
+    if cfg.hybrid:
+        return "--hybrid is an option of --model (a hybrid model's training step)"
     if cfg.window < 0:
         return f"--window must be >= 0 (0: none), got {cfg.window}"
     if cfg.reference_up_to < 0:

@@ -6,7 +6,11 @@ G kv heads, d head dim, V vocabulary, C ranks.
 
 The model: a `LlamaForCausalLM` from a config (--layers layers, D = H*d, MLP width --mlp-size,
 default 2D, a vocabulary of --vocab-size), the same random weights on every rank; with
---checkpointing every method checkpoints its decoder layers. Its step: forward on this rank's
+--checkpointing every method checkpoints its decoder layers. With --hybrid a
+`Qwen3NextForCausalLM` instead (`HYBRID_METHODS` only): Gated DeltaNet layers, H value
+heads over G key heads of d, and gated full attention (H query / G kv heads of d) as every
+fourth layer and the last, dense MLPs; its DeltaNet layers run through
+`upipe.integrations.hf_deltanet`. Its step: forward on this rank's
 block of the sequence (`upipe.integrations.hf.shard_batch`), the loss (`causal_lm_loss`: mean
 over the whole sequence), backward. The methods (MODEL_METHODS):
   alst            DeepSpeed's ALST attention, `UlyssesSPAttentionHF` (as its
@@ -30,10 +34,10 @@ the step: activations, communication buffers, logits, gradients; the weights exc
 time is kept too), its loss and its gradients summed over the ranks are compared with the
 reference, and `warmup` + `repeats` interleaved timed rounds follow (a round's time is the
 slowest rank's; the median is reported).
-Ratios are against `alst` (else `alst-full`). One memory unit is one `[B, L, D]` fp32 tensor;
-"KiB/token" (from the second length on) is the growth of the per-rank peak from the previous
-length, per token added to each rank's shard: (peak(S) - peak(S')) / ((S - S') / C), what
-decides the longest context, free of fixed costs.
+Ratios are against `alst` (else `alst-full`, else `upipe-ulysses`). One memory unit is one
+`[B, L, D]` fp32 tensor; "KiB/token" (from the second length on) is the growth of the
+per-rank peak from the previous length, per token added to each rank's shard: (peak(S) -
+peak(S')) / ((S - S') / C), what decides the longest context, free of fixed costs.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ MODEL_METHODS = (
     "upipe-dropin+tiled-mlp",
     *FULL_METHODS,
 )
+HYBRID_METHODS = ("upipe-ulysses", "upipe", "upipe-full")
+"""What runs on --hybrid: apply_context_parallel's (ALST and upipe's own model have no
+Gated DeltaNet)."""
 TILED = "+tiled-mlp"
 REFERENCE_CHUNK = 4096
 _STATE: dict = {}
@@ -93,6 +100,8 @@ class ModelShape:
     checkpointing: bool = False
     mlp_tile: int = 1024
     loss_chunk: int = 1024
+    hybrid: bool = False
+    """A Qwen3NextForCausalLM (module doc) instead of a Llama."""
 
 
 class ModelMethod:
@@ -113,10 +122,13 @@ class ModelMethod:
     def version(self) -> str:
         return (installed_version(self.peer) or "") if self.peer else upipe.__version__
 
-    def problem(self, *, H: int, G: int, C: int) -> str | None:
+    def problem(self, *, H: int, G: int, C: int, hybrid: bool = False) -> str | None:
         """Why this method cannot run H query and G kv heads on C ranks, or None: each side's
         own head rule (`upipe.heads`) -- ALST's `UlyssesSPAttentionHF` the even split, the
-        drop-in its contiguous stages, upipe's modules the library's (any G | H, C <= H)."""
+        drop-in its contiguous stages, upipe's modules the library's (any G | H, C <= H).
+        `hybrid`: a hybrid model, which only upipe's HF methods run."""
+        if hybrid and self.name not in HYBRID_METHODS:
+            return f"no Gated DeltaNet layers (--hybrid runs {', '.join(HYBRID_METHODS)})"
         if self.needs_deepspeed and installed_version("deepspeed") is None:
             return f"needs deepspeed=={TESTED['deepspeed']} (pip install 'upipe[integrations]')"
         problem = kv_problem(H, G, query="--heads", kv="--kv-heads")
@@ -223,10 +235,13 @@ class _TiledForward:
 
 
 def base_model(shape: ModelShape, max_positions: int):
-    """The benchmarked Llama (fp32, random weights from the seed, sdpa attention)."""
+    """The benchmarked Llama (fp32, random weights from the seed, sdpa attention), or with
+    `shape.hybrid` the Qwen3-Next (module doc)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     D = shape.H * shape.d
+    if shape.hybrid:
+        return _hybrid_model(shape, max_positions)
     config = LlamaConfig(
         hidden_size=D,
         intermediate_size=shape.mlp or 2 * D,
@@ -241,6 +256,44 @@ def base_model(shape: ModelShape, max_positions: int):
     )
     torch.manual_seed(shape.seed)
     return LlamaForCausalLM(config).float().train()
+
+
+def _hybrid_model(shape: ModelShape, max_positions: int):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    D, n = shape.H * shape.d, shape.layers
+    types = ["full_attention" if i % 4 == 3 or i == n - 1 else "linear_attention" for i in range(n)]
+    config = Qwen3NextConfig(
+        hidden_size=D,
+        intermediate_size=shape.mlp or 2 * D,
+        num_attention_heads=shape.H,
+        num_key_value_heads=shape.G,
+        head_dim=shape.d,
+        linear_num_value_heads=shape.H,
+        linear_num_key_heads=shape.G,
+        linear_key_head_dim=shape.d,
+        linear_value_head_dim=shape.d,
+        num_hidden_layers=n,
+        layer_types=types,
+        num_experts=0,
+        vocab_size=shape.vocab,
+        max_position_embeddings=max_positions,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(shape.seed)
+    model = Qwen3NextForCausalLM(config).float().train()
+    # decays A = exp(A_log) from (0.01, 0.2), not the init's (0.01, 16): with decays of up to
+    # exp(-16) per token the state forgets within a few tokens and the gradients of A_log and
+    # dt_bias are 1e-5 of the others' -- fp32 noise, relative to their own size 1e-3 (measured),
+    # which the per-parameter error below would flag as wrong
+    gen = torch.Generator().manual_seed(shape.seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                A_log = layer.linear_attn.A_log
+                A_log.copy_(torch.empty(A_log.shape).uniform_(0.01, 0.2, generator=gen).log())
+    return model
 
 
 def _ce_sum(lm_head, h_BTD, labels_BT):
@@ -406,6 +459,7 @@ def model_shape(cfg) -> ModelShape:
         checkpointing=cfg.checkpointing,
         mlp_tile=cfg.mlp_tile,
         loss_chunk=cfg.loss_chunk,
+        hybrid=cfg.hybrid,
     )
 
 
@@ -420,7 +474,7 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
     say = (lambda *a, **k: None) if quiet else print
     methods, skipped = [], {}
     for m in (ModelMethod(n) for n in cfg.methods):
-        reason = m.problem(H=cfg.heads, G=cfg.kv_heads, C=cfg.nproc)
+        reason = m.problem(H=cfg.heads, G=cfg.kv_heads, C=cfg.nproc, hybrid=cfg.hybrid)
         if reason:
             skipped[m.name] = reason
             say(f"skipping {m.name}: {reason}", flush=True)
@@ -442,16 +496,23 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
         rows = drive(cluster.run, cfg, methods, tick, partial)
     bar.close()
     ran = {m.name for m in methods}
-    ref = next((n for n in ("alst", "alst-full") if n in ran), None)
+    ref = next((n for n in ("alst", "alst-full", "upipe-ulysses") if n in ran), None)
     judge(rows, "float32", ref)
     D = cfg.heads * cfg.head_dim
     shape = model_shape(cfg)
     tiles = (
         f", tiles/chunks {cfg.mlp_tile}/{cfg.loss_chunk} tokens" if ran & set(FULL_METHODS) else ""
     )
+    what = (
+        f"Qwen3NextForCausalLM, {cfg.layers} layers (Gated DeltaNet: H={cfg.heads} value / "
+        f"G={cfg.kv_heads} key heads, d={cfg.head_dim}; every 4th and the last gated full "
+        f"attention), D={D}"
+        if cfg.hybrid
+        else f"LlamaForCausalLM, {cfg.layers} layers, D={D} (H={cfg.heads} G={cfg.kv_heads} "
+        f"d={cfg.head_dim})"
+    )
     header = (
-        f"{cfg.nproc} ranks (gloo, CPU); LlamaForCausalLM, {cfg.layers} layers, D={D} "
-        f"(H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim}), MLP {shape.mlp or 2 * D}, "
+        f"{cfg.nproc} ranks (gloo, CPU); {what}, MLP {shape.mlp or 2 * D}, "
         f"vocabulary {cfg.vocab_size}, B={cfg.batch_size}, fp32, checkpointing "
         f"{'on' if cfg.checkpointing else 'off'}{tiles}; one training step (forward, loss, "
         f"backward); peak = per-rank max of tensors allocated in the step ([B,L,D] = one "

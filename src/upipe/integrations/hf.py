@@ -16,12 +16,13 @@ d head dim, C ranks the sequence is split over (group size, or ring x ulysses on
 `qkv_proj`; Qwen3's, OLMo's and Gemma 3's `q_norm`/`k_norm`; gpt-oss's `sinks`:
 `upipe.integrations.hf_archs`) modules and parameters -- the same objects, so no weight is
 copied or permuted and the state-dict keys are unchanged: a checkpoint loads before or after
-the call. Each layer's sliding window (where the model applies `config.sliding_window`) and
-softmax scale are the model's, so any sequence length is exact. RoPE comes from the model
-itself: its rotary embedding turns the *global* position ids of this rank's tokens into
-cos/sin (rope scaling "linear", "llama3", "yarn" included), which the decoder layers hand to
-the attention. Nothing is imported from `transformers` at import time; models are recognised
-by class name.
+the call. A hybrid model's Gated DeltaNet layers (`linear_attn`: Qwen3-Next, Qwen3.5) get a
+`HFContextParallelDeltaNet` the same way (`upipe.integrations.hf_deltanet`). Each layer's
+sliding window (where the model applies `config.sliding_window`) and softmax scale are the
+model's, so any sequence length is exact. RoPE comes from the model itself: its rotary
+embedding turns the *global* position ids of this rank's tokens into cos/sin (rope scaling
+"linear", "llama3", "yarn" included), which the decoder layers hand to the attention. Nothing
+is imported from `transformers` at import time; models are recognised by class name.
 
 Packed sequences (several documents in one row, as transformers' `DataCollatorWithFlattening`
 makes them): position ids restart at 0 at each document. `shard_batch(input_ids,
@@ -54,6 +55,7 @@ from upipe.integrations.hf_archs import (
     rope_types,
 )
 from upipe.integrations.hf_attention import HFContextParallelAttention
+from upipe.integrations.hf_deltanet import HFContextParallelDeltaNet, deltanet_problem
 from upipe.integrations.hf_memory import (
     MemoryOptions,
     apply_memory_features,
@@ -78,7 +80,11 @@ def _check_model(model) -> Arch:
     """The model's `hf_archs.Arch`; ValueError for what cannot be converted."""
     arch = architecture(model)
     cfg, base = model.config, model.model
-    if any(isinstance(layer.self_attn, HFContextParallelAttention) for layer in base.layers):
+    if any(
+        isinstance(getattr(layer, "self_attn", None), HFContextParallelAttention)
+        or isinstance(getattr(layer, "linear_attn", None), HFContextParallelDeltaNet)
+        for layer in base.layers
+    ):
         raise ValueError("apply_context_parallel was already applied to this model")
     for rope_type in rope_types(base.rotary_emb):
         if rope_type in STATIC_ROPE_TYPES:
@@ -96,7 +102,26 @@ def _check_model(model) -> Arch:
             f"attention_dropout ({cfg.attention_dropout}) is not supported; set "
             "model.config.attention_dropout = 0.0"
         )
+    for layer in base.layers:
+        mixer = getattr(layer, "linear_attn", None)
+        problem = mixer is not None and deltanet_problem(mixer)
+        if problem:
+            raise ValueError(problem)
     return arch
+
+
+def _check_hybrid(arch: Arch, strategy, mesh) -> None:
+    """Hybrid models (Gated DeltaNet layers) split their linear layers by heads only."""
+    if not arch.hybrid:
+        return
+    ring = None if mesh is None else mesh["ring"].size()
+    if strategy == "ring" or (ring or 1) > 1:
+        what = "strategy='ring'" if strategy == "ring" else f"a mesh with a ring dim of {ring}"
+        raise ValueError(
+            f"{what} is not supported for hybrid models (Gated DeltaNet layers): their linear "
+            "layers are split by heads (Ulysses / UPipe), not along the sequence; use "
+            "strategy='upipe' or 'ulysses' on a group (or a mesh with ring=1)"
+        )
 
 
 def _sequence_group(group, mesh):
@@ -269,6 +294,7 @@ def apply_context_parallel(
     mesh=None,
     strategy="upipe",
     heads_per_stage=None,
+    linear_heads_per_stage=None,
     backend=None,
     tiled_mlp=False,
     mlp_tile=1024,
@@ -283,12 +309,16 @@ def apply_context_parallel(
     """Make a Hugging Face causal LM context-parallel, in place; returns the model.
 
     Supported: `upipe.integrations.hf_archs.ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Mixtral, OLMo 2 / 3, Phi-3, Gemma 3, gpt-oss; sliding windows, attention sinks,
-    per-layer-type RoPE; what each needs is there, and why Gemma 2 and Gemma 3's multimodal
-    model are refused). MoE models' router aux loss (`output_router_logits=True`) is the whole
-    sequence's (`upipe.integrations.hf_moe`). Exactly one of `group` (1-D) or `mesh` (2-D, ring x
+    Qwen3-MoE, Mixtral, OLMo 2 / 3, Phi-3, Gemma 3, gpt-oss, and the hybrids Qwen3-Next,
+    Qwen3.5, Qwen3.5-MoE; sliding windows, attention sinks, per-layer-type RoPE; what each
+    needs is there, and why Gemma 2 and Gemma 3's multimodal model are refused). MoE models'
+    router aux loss (`output_router_logits=True`) is the whole sequence's
+    (`upipe.integrations.hf_moe`). Exactly one of `group` (1-D) or `mesh` (2-D, ring x
     ulysses, `upipe.make_mesh`). `strategy`: "upipe" (the fused staged op; `heads_per_stage`
-    as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only).
+    as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only). A
+    hybrid's Gated DeltaNet layers (`upipe.integrations.hf_deltanet`) are split by heads with
+    the same strategy -- "upipe" in stages of `linear_heads_per_stage` value heads (default:
+    `heads_per_stage`), "ulysses" all at once; "ring" and meshes with a ring dim are refused.
     `backend`: the local attention kernel (`upipe.kernels.BACKENDS`; None: "auto", by device,
     dtype and head dim, as in `ContextParallelAttention`).
     Each rank then holds a contiguous block of the sequence (`shard_batch`), calls the model
@@ -313,6 +343,7 @@ def apply_context_parallel(
     shift_labels=, generation, combinations of the memory features that do not go together).
     """
     arch = _check_model(model)
+    _check_hybrid(arch, strategy, mesh)
     options = MemoryOptions(
         tiled_mlp=tiled_mlp,
         mlp_tile=mlp_tile,
@@ -337,7 +368,15 @@ def apply_context_parallel(
         "call": _model_call({}),
         "docs": None,
     }
+    linear = ((heads_per_stage, "heads_per_stage") if linear_heads_per_stage is None
+              else (linear_heads_per_stage, "linear_heads_per_stage"))  # fmt: skip
     for layer in base.layers:
+        if getattr(layer, "linear_attn", None) is not None:  # a hybrid's Gated DeltaNet
+            layer.linear_attn = HFContextParallelDeltaNet(
+                layer.linear_attn, group=ulysses, strategy=strategy, heads_per_stage=linear[0],
+                state=state, keyword=linear[1],
+            )  # fmt: skip
+            continue
         layer.self_attn = HFContextParallelAttention(
             layer.self_attn,
             cfg,

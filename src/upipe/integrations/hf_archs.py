@@ -39,10 +39,18 @@ What differs between the supported decoders, and how upipe runs it:
   y = h + norm_2(mlp(h)) (OLMo 2 / 3); "sandwich", four norms, h = x + norm_2(attn(norm_1(x))),
   y = h + norm_4(mlp(norm_3(h))) (Gemma 3: input / post-attention / pre- and post-feed-forward
   layernorms).
-- MoE (Mixtral, Qwen3-MoE, gpt-oss): the model's sparse MoE block stays as it is (routing is
-  per token, so tiles of tokens route as the whole does; gpt-oss's returns (hidden, router
-  scores), of which the layer keeps the first); its router aux loss is computed over the
-  whole sequence (`upipe.integrations.hf_moe`).
+- MoE (Mixtral, Qwen3-MoE, gpt-oss, Qwen3-Next, Qwen3.5-MoE): the model's sparse MoE block
+  (with its shared expert, where it has one) stays as it is (routing is per token, so tiles
+  of tokens route as the whole does; gpt-oss's returns (hidden, router scores), of which the
+  layer keeps the first); its router aux loss is computed over the whole sequence
+  (`upipe.integrations.hf_moe`).
+- Hybrid decoders (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): most layers' token mixer is a Gated
+  DeltaNet (`linear_attn`, run by `upipe.integrations.hf_deltanet`), the others gated full
+  attention: q_proj gives each head's query and an output gate `[H, 2 d]`, the output is
+  multiplied by sigmoid(gate) before o_proj; QK-norm per head with a zero-centred weight
+  (x * (1 + w), the model's own norm modules); partial rotary. The gate is per token and
+  head, outside the attention: such layers run unfused (q, k, v and the gate projected in
+  full, then the strategy's op), like OLMo's.
 """
 
 from __future__ import annotations
@@ -78,7 +86,20 @@ class Arch:
     """Attention sinks: the attention module's `sinks` parameter (gpt-oss)."""
     rope_halves: bool = False
     """cos/sin of d / 2 angles rotating the two halves of each head (gpt-oss)."""
+    attn_gate: bool = False
+    """Gated attention output: q_proj rows [H, 2 d] give the query and a gate per head
+    (Qwen3-Next, Qwen3.5); runs unfused."""
+    hybrid: bool = False
+    """Gated DeltaNet layers (`linear_attn`) between the attention layers."""
 
+    @property
+    def unfused(self) -> bool:
+        """Whether the attention projections run in full before the strategy's op."""
+        return self.attn_gate or self.qk_norm == "projection"
+
+
+# Qwen3-Next / Qwen3.5: zero-centred QK-norm per head, gated attention output, DeltaNet layers
+_HYBRID = dict(qk_norm="head", norm_offset=1.0, attn_gate=True, hybrid=True)
 
 ARCHITECTURES: dict[str, Arch] = {
     "LlamaForCausalLM": Arch(),
@@ -94,6 +115,9 @@ ARCHITECTURES: dict[str, Arch] = {
         qk_norm="head", norm_offset=1.0, layer="sandwich", window="layer_types"
     ),
     "GptOssForCausalLM": Arch(router=True, window="layer_types", sinks=True, rope_halves=True),
+    "Qwen3NextForCausalLM": Arch(**_HYBRID, router=True),
+    "Qwen3_5ForCausalLM": Arch(**_HYBRID),
+    "Qwen3_5MoeForCausalLM": Arch(**_HYBRID, router=True),
 }
 """The supported architectures (by class name: transformers is not imported)."""
 
@@ -125,9 +149,21 @@ def _gemma3_multimodal(cfg) -> str:
     )
 
 
+def _vision(text_class):
+    def problem(cfg) -> str:
+        return (
+            f"the vision-language model is not supported: convert its text model, "
+            f"{text_class} (built from config.text_config)"
+        )
+
+    return problem
+
+
 BLOCKED = {
     "Gemma3ForConditionalGeneration": _gemma3_multimodal,
     "Gemma2ForCausalLM": _gemma2,
+    "Qwen3_5ForConditionalGeneration": _vision("Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": _vision("Qwen3_5MoeForCausalLM"),
 }
 """Architectures refused with what blocks them (`upipe.integrations.hf` docs, "Supported")."""
 
@@ -216,7 +252,10 @@ def layer_forward(arch: Arch):
 
 
 def _attention(layer, x_BLD, position_embeddings, kwargs):
+    """The layer's token mixer: its attention, or a hybrid's Gated DeltaNet."""
     kwargs.pop("attention_mask", None)  # None here (see upipe.integrations.hf_memory)
+    if getattr(layer, "linear_attn", None) is not None:
+        return layer.linear_attn(hidden_states=x_BLD, attention_mask=None, **kwargs)
     out_BLD, _ = layer.self_attn(
         hidden_states=x_BLD, position_embeddings=position_embeddings, attention_mask=None, **kwargs
     )

@@ -36,7 +36,9 @@ class HFContextParallelAttention(ContextParallelAttention):
     `qkv_proj`: Phi-3), which QK-norm (per head inside the fused stages, (1 + weight) for Gemma
     3; over the whole projection: OLMo, run unfused), this layer's sliding window, attention
     sinks (the module's `sinks`, gpt-oss) and RoPE form (see `hf_archs`); the softmax scale is
-    the module's `scaling`.
+    the module's `scaling`; a gated output (Qwen3-Next, Qwen3.5: q_proj gives the query and a
+    gate per head, the output times sigmoid(gate) before o_proj; run unfused with the model's
+    own norm modules).
     """
 
     def __init__(
@@ -94,13 +96,25 @@ class HFContextParallelAttention(ContextParallelAttention):
                 del self.q_proj, self.k_proj, self.v_proj
 
     def _attend(self, x, cos, sin, docs=None):
-        if self.arch.qk_norm != "projection":
+        if not self.arch.unfused:
             return super()._attend(x, cos, sin, docs)
-        # QK-norm over the whole projection (OLMo): q, k, v in full, then the strategy's op
+        # QK-norm over the whole projection (OLMo) or a gated output (Qwen3-Next, Qwen3.5):
+        # q, k, v (and the gate) in full, then the strategy's op
         B, L, _ = x.shape
         d = self.head_dim
-        q = self.q_norm(self.q_proj(x)).view(B, L, -1, d)
-        k = self.k_norm(self.k_proj(x)).view(B, L, -1, d)
+        q, k = self.q_proj(x), self.k_proj(x)
+        gate = None
+        if self.arch.attn_gate:  # [B, L, H, 2 d]: each head's query, then its gate
+            q, gate = q.view(B, L, -1, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(B, L, -1)
+        if self.arch.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.reshape(B, L, -1, d), k.view(B, L, -1, d)
+        if self.arch.qk_norm == "head":  # the model's own modules (zero-centred weights too)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, L, -1, d)
-        return self.o_proj(self._op(q, k, v, docs).flatten(2))
+        out = self._op(q, k, v, docs).flatten(2)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
