@@ -79,7 +79,7 @@ def test_matches_unmodified_model(clusters, arch, world):
 ERRORS = {
     "ring": "strategy='ring' is not supported for hybrid models",
     "mesh_ring": "a mesh with a ring dim of 2 is not supported for hybrid models",
-    "value_heads": "2 value heads are fewer than the context-parallel size 4",
+    "value_heads": "value heads (2) must be at least the context-parallel size (4)",
     "stages": "Gated DeltaNet (4 value heads, 2 key heads): heads_per_stage (3)",
     "activation": "with activation 'gelu' is not supported",
     "vision": "convert its text model, Qwen3_5ForCausalLM",

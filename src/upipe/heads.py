@@ -89,14 +89,19 @@ def few_heads_problem(
     *,
     size: str = "context-parallel size",
     query: str = "query heads",
-    whole: str = "ring attention",
+    whole: str | None = "ring attention",
     model: str | None = None,
 ) -> str | None:
     """Why H query heads cannot be split over C ranks (every rank needs one: C <= H), or None.
-    `size` names C, `whole` the way to keep whole heads on every rank; with `model` (a
-    command line's model name) the message names the model."""
+    `size` names C, `whole` the way to keep whole heads on every rank (None: there is none);
+    with `model` (a command line's model name) the message names the model."""
     if H >= C:
         return None
+    if whole is None:
+        return (
+            f"{query} ({H}) must be at least the {size} ({C}): every rank gets one; use a "
+            f"size of at most {H}"
+        )
     if model is not None:
         return (
             f"{model} has {H} heads, fewer than the {size} {C}; use a size of at most {H}, "
@@ -133,13 +138,15 @@ def even_problem(H: int, G: int, C: int, *, size: str = "group size") -> str | N
     return None
 
 
-def stage_problem(H: int, G: int, C: int, U: int) -> str | None:
+def stage_problem(
+    H: int, G: int, C: int, U: int, *, query: str = "query heads", kv: str = "kv heads"
+) -> str | None:
     """Why U heads per stage do not fit (H, G, C), completing "heads_per_stage (U) ...", or
-    None (module doc)."""
+    None (module doc); `query` and `kv` name the two head counts (a Gated DeltaNet's value
+    and key heads follow the same rules)."""
     if H % G or H < C:
         return (
-            f"cannot be scheduled: {H} query heads and {G} kv heads need G | H and at least "
-            f"C = {C} query heads"
+            f"cannot be scheduled: {H} {query} and {G} {kv} need G | H and at least C = {C} {query}"
         )
     if U % C:
         return f"must be a multiple of the context-parallel size ({C})"
@@ -149,33 +156,47 @@ def stage_problem(H: int, G: int, C: int, U: int) -> str | None:
             return f"must be at most {top} (C x ceil(H / C): one stage of the uneven split)"
         return None
     if U > H or H % U:
-        return f"must divide the number of query heads ({H})"
+        return f"must divide the number of {query} ({H})"
     gv, u = H // max(G, C), U // C
     if gv % u and (u % gv or (max(G, C) // C) % (u // gv)):
         return (
-            f"gives {u} query heads per rank per stage, which must divide or be a multiple of "
-            f"the {gv} query heads per kv head (GQA scheduling)"
+            f"gives {u} {query} per rank per stage, which must divide or be a multiple of "
+            f"the {gv} {query} per one of the {kv} (GQA scheduling)"
         )
     return None
 
 
-def valid_heads_per_stage(H: int, G: int, C: int) -> list[int]:
+def valid_heads_per_stage(
+    H: int, G: int, C: int, *, query: str = "query heads", kv: str = "kv heads"
+) -> list[int]:
     """All supported values of U for these head counts and group size."""
     top = C * -(-H // C)  # C * ceil(H / C): one stage (on an uneven split)
-    return [U for U in range(C, top + 1, C) if stage_problem(H, G, C, U) is None]
+    words = dict(query=query, kv=kv)
+    return [U for U in range(C, top + 1, C) if stage_problem(H, G, C, U, **words) is None]
 
 
-def check_heads_per_stage(H: int, G: int, C: int, U) -> int:
-    """`U` itself (C when None) if supported, else a ValueError listing the valid values."""
+def check_heads_per_stage(
+    H: int,
+    G: int,
+    C: int,
+    U,
+    *,
+    name: str = "heads_per_stage",
+    query: str = "query heads",
+    kv: str = "kv heads",
+) -> int:
+    """`U` itself (C when None) if supported, else a ValueError listing the valid values;
+    `name` names U, `query` and `kv` the head counts, as the caller's arguments do."""
     if U is None:
         U = C
     if isinstance(U, bool) or not isinstance(U, int):
-        raise TypeError(f"heads_per_stage must be an int or None, got {type(U).__name__}")
-    problem = stage_problem(H, G, C, U) if U > 0 else "must be positive"
+        raise TypeError(f"{name} must be an int or None, got {type(U).__name__}")
+    words = dict(query=query, kv=kv)
+    problem = stage_problem(H, G, C, U, **words) if U > 0 else "must be positive"
     if problem:
         raise ValueError(
-            f"heads_per_stage ({U}) {problem}; valid values for {H} query heads, {G} kv heads "
-            f"and group size {C}: {valid_heads_per_stage(H, G, C)}"
+            f"{name} ({U}) {problem}; valid values for {H} {query}, {G} {kv} and group size "
+            f"{C}: {valid_heads_per_stage(H, G, C, **words)}"
         )
     return U
 

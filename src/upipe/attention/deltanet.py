@@ -53,7 +53,7 @@ from upipe.attention.deltanet_layer import (
 )
 from upipe.attention.deltanet_staged import staged_deltanet
 from upipe.comm import HeadExchange
-from upipe.heads import check_heads_per_stage
+from upipe.heads import check_heads_per_stage, few_heads_problem, kv_problem
 from upipe.kernels_deltanet import Scan, resolve_scan_backend
 
 
@@ -62,16 +62,13 @@ def all_heads(H: int, C: int) -> int:
     return C * -(-H // C)
 
 
+WORDS = dict(query="value heads", kv="key heads")
+"""The attention's head rules (`upipe.heads`) hold for value heads over key heads."""
+
+
 def heads_problem(H: int, G: int, C: int) -> str | None:
     """Why H value heads over G key heads cannot be split over C ranks, or None."""
-    if G < 1 or H % G:
-        return f"key heads ({G}) must divide value heads ({H})"
-    if H < C:
-        return (
-            f"{H} value heads are fewer than the context-parallel size {C}: every rank needs "
-            f"one; use a size of at most {H}"
-        )
-    return None
+    return kv_problem(H, G, **WORDS) or few_heads_problem(H, C, query="value heads", whole=None)
 
 
 def check_stages(H: int, G: int, C: int, heads_per_stage, name="heads_per_stage") -> int:
@@ -81,13 +78,9 @@ def check_stages(H: int, G: int, C: int, heads_per_stage, name="heads_per_stage"
     problem = heads_problem(H, G, C)
     if problem is None:
         try:
-            return check_heads_per_stage(H, G, C, heads_per_stage)
+            return check_heads_per_stage(H, G, C, heads_per_stage, name=name, **WORDS)
         except ValueError as e:
-            words = (("query heads", "value heads"), ("kv heads", "key heads"),
-                     ("heads_per_stage", name))  # fmt: skip
             problem = str(e)
-            for old, new in words:
-                problem = problem.replace(old, new)
     raise ValueError(f"Gated DeltaNet ({H} value heads, {G} key heads): {problem}")
 
 
