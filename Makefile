@@ -30,9 +30,11 @@ lint: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q $(XDIST) --durations=25
 
-# the edit loop: all but the tests marked slow (training runs, planner simulations, CLIs)
+# the edit loop: tests/unit and tests/distributed, less the tests marked slow (tests/runs is all
+# slow: training runs, planner simulations, subprocess CLIs)
+FAST = tests/unit tests/distributed -m "not slow"
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m "not slow" -q $(XDIST) --durations=10
+	$(PY) -m pytest $(FAST) -q $(XDIST) --durations=10
 
 # the fast tier on another torch release, each in its own venv (.venv-torch2.11.0 for
 # TORCH=2.11.0): PyPI's build of it (on Linux x86_64 the CUDA build, several GB with its nvidia-*
@@ -44,7 +46,7 @@ test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.11.0 (a release in >=2.11,<2.16)" >&2; exit 2; }
 	$(MAKE) .venv-torch$(TORCH)/.installed
 	.venv-torch$(TORCH)/bin/python -c "import torch; print('torch', torch.__version__)"
-	.venv-torch$(TORCH)/bin/python -m pytest -q -m "not slow" $(XDIST) --durations=10
+	.venv-torch$(TORCH)/bin/python -m pytest $(FAST) -q $(XDIST) --durations=10
 
 .venv-torch%/.installed: pyproject.toml
 	python3 -m venv .venv-torch$*

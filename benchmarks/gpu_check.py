@@ -14,7 +14,7 @@ Parts, in this order, each in a time box (`BOX`: shares of `--budget-s`):
 2. strategies  ulysses, upipe, ring, usp (a 1 x 1 mesh) and the layer
                `ContextParallelAttention` (upipe, ulysses, ring) on a real one-rank process
                group (NCCL) under each kernel, bf16 and fp32, dense and packed documents, vs
-               float64 (the tolerances of tests/conftest.py).
+               float64 (the tolerances of tests/helpers/tolerances.py).
 3. kernels     forward and backward TFLOP/s of each kernel at Llama3-8B's per-rank attention
                shapes in an 8-GPU job (`SIZES`: Ulysses' at 128K tokens, a UPipe stage's at
                128K and 1M), each call also checked against float64 on sampled rows
@@ -42,7 +42,7 @@ predicted ratio rescales its later predictions, so the 1M-token rows are sized f
 128K ones.
 
 `--dry-run`: every part's code on the CPU at tiny sizes, in seconds: the CUDA-only aten ops
-through the test suite's CPU emulations of their contracts (tests/cuda_emulation.py,
+through the test suite's CPU emulations of their contracts (tests/helpers/cuda_emulation.py,
 cudnn_emulation.py, varlen_emulation.py, flash_impl_emulation.py with its stand-in FA3/FA4
 packages; fp32 math on full score matrices), gloo for NCCL, host timers for CUDA events, the
 tracker alone for the allocator's counters, the offloader's plain host copies for its CUDA
@@ -138,10 +138,11 @@ HOST_LINK = H200.host_link  # page-locked host <-> device bytes/s (PCIe Gen5, ~5
 ROW_S = 0.5  # allowance per row of parts 1-2: launches, first calls, cuDNN graph builds
 STARTUP_S = 20.0  # allowance: imports before main(), the CUDA context, NCCL's start
 
-# Relative error bounds, from tests/conftest.py (TOL, bf16_bound, REL_ERR_FLOOR): fp32 1e-5; a
+# Relative error bounds, from tests/helpers/tolerances.py (TOL, bf16_bound, REL_ERR_FLOOR): fp32
+# 1e-5; a
 # half-precision kernel under 1.5e-2 forward and 5e-2 backward; a strategy in half precision
 # at most 2x as wrong as one device running the same kernel (floor 1e-3); a layer in bf16
-# under 5e-2 in every output (tests/test_upipe.py::test_module_bf16_as_good_as_ulysses).
+# under 5e-2 in every output (tests/distributed/test_upipe.py::test_module_bf16_as_good_as_ulysses).
 TOL = {"fp32": (1e-5, 1e-5), "half": (1.5e-2, 5e-2)}
 HALF_FACTOR, HALF_FLOOR = 2.0, 1e-3
 REL_ERR_FLOOR = {torch.float32: 1e-2, torch.float16: 1e-1, torch.bfloat16: 1e-1}
@@ -355,7 +356,7 @@ def randn(*shape, device, seed, dtype=torch.float32):
 
 
 def rel_err(a, ref) -> float:
-    """max|a - ref| / max(max|ref|, floor): tests/conftest.py's rel_err."""
+    """max|a - ref| / max(max|ref|, floor): tests/helpers/tolerances.py's rel_err."""
     floor = REL_ERR_FLOOR.get(a.dtype, REL_ERR_FLOOR[torch.float32])
     ref = ref.double()
     return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
@@ -963,7 +964,7 @@ def markdown(doc: dict) -> str:
 
 def dry_run_setup() -> None:
     """The test suite's CPU emulations of the CUDA-only ops, in this process (module doc)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     import cudnn_emulation
     import flash_impl_emulation
 

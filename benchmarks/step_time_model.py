@@ -78,7 +78,7 @@ def schedule(H, G, C, U):
 
 def a2a_bytes(strategy, L):
     """Bytes a rank puts into all-to-alls per layer call, (forward, backward), with one unit
-    u = L d E per head (tests/test_steady_state.py): Ulysses (2H + 2G) u each way; UPipe
+    u = L d E per head (tests/distributed/test_steady_state.py): Ulysses (2H + 2G) u each way; UPipe
     (2H + 2G') u forward, (4H + 4G') u backward (it re-sends q, k, v and out)."""
     u, Gv = L * M["d"] * E, max(M["G"], C)
     if strategy == "ulysses":

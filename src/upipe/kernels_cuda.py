@@ -5,8 +5,9 @@ upipe's layout is q `[B, S, H, d]`, k/v `[B, Sk, G, d]`; the SDPA ops take `[B, 
 d]`, so every call passes transposed views (the memory stays `[B, S, heads, d]`). Each
 forward returns (out `[B, S, H, d]`, lse fp32 `[B, H, S]`); each backward takes that lse.
 
-Contracts (torch's sources; `tests/cuda_emulation.py`, `tests/cudnn_emulation.py` and
-`tests/flash_impl_emulation.py` implement them on CPU for the test suite):
+Contracts (torch's sources; `tests/helpers/cuda_emulation.py`, `tests/helpers/cudnn_emulation.py`
+and
+`tests/helpers/flash_impl_emulation.py` implement them on CPU for the test suite):
 - flash: aten `_scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal,
   return_debug_mask, *, scale)` (transformers/cuda/attention.cu, flash_attn/flash_api.cpp
   `mha_fwd`): GQA native, lse `[B, H, S]`; its backward takes cum_seq_q/k *undefined* (None)
@@ -43,7 +44,7 @@ Contracts (torch's sources; `tests/cuda_emulation.py`, `tests/cudnn_emulation.py
   one-token document, a document's single token in a ring block) run the efficient kernel,
   forward and backward alike.
 - flash_attn: the flash-attn package (>= 2.7) `flash_attn_func` and
-  `flash_attn_interface._flash_attn_backward` (`tests/fake_flash_attn.py`).
+  `flash_attn_interface._flash_attn_backward` (`tests/helpers/fake_flash_attn.py`).
 
 Head dims that are not a multiple of 8 (every flash kernel and cuDNN need one: "head_size
 should be a multiple of 8"; only F.scaled_dot_product_attention pads, the aten ops do not)

@@ -30,7 +30,8 @@ Backends of the scan (`SCAN_BACKENDS`):
   `cu_seqlens` (int64, on the device, `[N + 1]`) only with B = 1 -- so the rows are
   flattened into one sequence of B * S tokens whose documents are every row's; returns
   (o `[B, T, h, e]` in q's dtype, final state). q and k are repeated to the value heads
-  first (as fla's own GatedDeltaNet layer does). tests/test_deltanet.py runs this path on
+  first (as fla's own GatedDeltaNet layer does). tests/distributed/test_deltanet.py runs this path
+  on
   the CPU against a stand-in with that contract.
 "auto" (None): "fla" for CUDA inputs when the package is installed, else "torch".
 

@@ -16,7 +16,7 @@ Both always run every iteration: what the compute code computes depends on its a
 alone. The planner's simulator, where nothing is computed, relies on the repetition to run
 fewer iterations: for one simulated step it substitutes these two functions
 (`upipe.planner.sampled`). So call them through the module (`loops.tile_starts(...)`, not
-`from upipe.loops import tile_starts`), which `tests/test_layers.py` checks.
+`from upipe.loops import tile_starts`), which `tests/distributed/test_layers.py` checks.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ remains is here, each gated:
   `--attention-kernel fa3/fa4` is refused with its reason and every other kernel runs;
 - the cuDNN lse layout is read from this torch's meta kernel (`cudnn_lse_dims`).
 
-`tests/test_torch_private.py` exercises each entry and each gate (with monkeypatched versions
+`tests/unit/test_torch_private.py` exercises each entry and each gate (with monkeypatched versions
 and APIs where a real one is absent), so a torch release that changes one fails there,
 loudly, before any user sees it.
 """

@@ -36,7 +36,8 @@ attention runs (`staged_layer.staged`), so they travel while the kernel computes
 results are the same bit for bit, and the extra memory is the next stage's buffers: in
 backward a send and a receive buffer for each of its three exchanges, its q and dout before
 they are packed, and its W_o columns -- at most (8 + w) U/H of one [B, L, H*d] tensor
-(w = D / (B*L)), measured in tests/test_steady_state.py; `default_overlap` says when it is
+(w = D / (B*L)), measured in tests/distributed/test_steady_state.py; `default_overlap` says when it
+is
 on.
 """
 
@@ -247,7 +248,8 @@ def default_overlap(x, group) -> bool:
         exchange / attention = (E * L * U * d / W) / (2 * S^2 * u * d / F) = E * F / (2 * W * S)
     -- for bf16 at F = 500 TFLOP/s and W = 150 GB/s (NVLink all-to-all), 3333 / S: 5% at
     64K tokens, 0.3% at 1M. Its price is 8 stage buffers (8 U/H of one [B, L, H*d] tensor,
-    measured in tests/test_steady_state.py), which at U = C is a large part of what UPipe
+    measured in tests/distributed/test_steady_state.py), which at U = C is a large part of what
+    UPipe
     saves. So long sequences, where memory is the point, run without; short ones, where the
     exchanges are a visible share of the time and memory is plentiful, run with.
     """

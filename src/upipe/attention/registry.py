@@ -5,7 +5,7 @@ trainer (`upipe.train`), the planner, the benchmark, the demo and the Hugging Fa
 integration; the ops read their own entry to validate their inputs
 (`common.validate_qkv`). Adding a strategy is its op in a file of its own plus one
 `Strategy` entry in `STRATEGIES` below (CONTRIBUTING.md has the checklist;
-tests/test_registry.py checks the promise with a strategy defined in the test).
+tests/distributed/test_registry.py checks the promise with a strategy defined in the test).
 
 An entry names its op by import path ("module:function"), imported on first use: the ops
 import this module for their entries, so this module imports none of them.

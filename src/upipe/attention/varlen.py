@@ -24,7 +24,7 @@ side is `aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp` `mha_v
   max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale)` -> (dq, dk, dv), dk/dv
   with k heads (the query heads sharing one summed). rng_state / unused are read only with
   dropout; torch passes uint64 zeros [2] and an empty tensor.
-`tests/varlen_emulation.py` implements that contract on CPU for the tests.
+`tests/helpers/varlen_emulation.py` implements that contract on CPU for the tests.
 
 Under fa3 / fa4 the same two ops run FlashAttention-3 / -4: torch's impls register them
 too (torch/nn/attention/_fa3.py and _fa4.py `_fa*_register_kernels`: "ragged query must be
@@ -32,7 +32,7 @@ too (torch/nn/attention/_fa3.py and _fa4.py `_fa*_register_kernels`: "ragged que
 lse layout `[u, T]` (FA3's varlen softmax_lse; FA4's `lse_shape = (num_head, total_q)` in
 flash_attn/cute/interface.py `_flash_attn_fwd`) and int32 boundaries. Every torch version
 read (2.13's registry, and the earlier FA4 prototype) reroutes the varlen ops, so no
-package-level varlen call is needed; `tests/flash_impl_emulation.py` holds both impls'
+package-level varlen call is needed; `tests/helpers/flash_impl_emulation.py` holds both impls'
 contracts on CPU. cuDNN's varlen form (`_cudnn_attention_forward` with cum_seq) is not
 used: torch's own `varlen_attn` keeps it off (`_should_use_cudnn` returns False; "GQA is
 not supported with the cuDNN backend").

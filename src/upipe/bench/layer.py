@@ -17,8 +17,8 @@ With `window` (a causal sliding window) the reference runs the window's tiled ke
 (`upipe.attention.window`); with `sinks` (gpt-oss attention sinks, one logit per head, drawn
 from the seed) it applies them as every strategy does (`upipe.attention.sinks`), and the
 results gain the sinks' gradient "dsinks" (summed over the ranks). Those two helpers are
-tested against explicit fp64 masks and sink columns in tests/test_window.py and
-tests/test_sinks.py.
+tested against explicit fp64 masks and sink columns in tests/distributed/test_window.py and
+tests/distributed/test_sinks.py.
 """
 
 from __future__ import annotations

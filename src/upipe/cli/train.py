@@ -61,7 +61,7 @@ def add_command(sub) -> None:
     parser.set_defaults(handler=_handle)
 
 
-# how `upipe train --help` groups its options (every TrainConfig field; tests/test_cli.py)
+# how `upipe train --help` groups its options (every TrainConfig field; tests/runs/test_cli.py)
 OPTION_GROUPS = {
     "model and parallelism": (
         "model", "strategy", "nproc", "dp", "ring", "heads_per_stage", "device",

@@ -131,7 +131,7 @@ def moe_saved_bytes_per_token(
     plus 8 E bytes per call (the segment ends). Qwen3-30B-A3B in bf16 (D 2048, E 128, K 8,
     F 768): 92.8 KiB per token, 23x its [D] activation; a dense SwiGLU of the same active
     width would keep 4 e K F = 48 KiB. Checked against the tracker by
-    `tests/test_moe.py`; the tiled MLP keeps none of it beyond one tile."""
+    `tests/distributed/test_moe.py`; the tiled MLP keeps none of it beyond one tile."""
     e = elem_bytes
     r = {"softmax": 0, "softmax_renorm": 4 * K + 4, "topk_softmax": 4 * K}[router_weights]
     return 4 * E + 32 * K + r + e * K + e * K * D + 5 * e * K * F + 4 * e * F_shared + 4

@@ -1,7 +1,7 @@
 """The command that trains a planned candidate: `torchrun ... -m upipe.train ...` on CUDA
 GPUs, `upipe train --nproc N --device cpu ...` on this machine's CPU ranks, with every option
 that differs from `upipe train`'s defaults (`upipe.train.TrainConfig`), so that what runs is
-what was planned (`tests/test_timing.py` parses it back)."""
+what was planned (`tests/runs/test_timing.py` parses it back)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ on what the step is made of:
 Where the attention check fails it counts the third length too and fits as `count_step`
 does (so a violated first premise costs time, never a wrong count); where the config or the
 depths are not the memory's it returns None (the caller runs `count_step`). The second
-premise is not checked at run time: `tests/test_plan_speed.py` compares `count_in` with
+premise is not checked at run time: `tests/runs/test_plan_speed.py` compares `count_in` with
 `count_step` key by key for every strategy and memory feature set (and `test_timing` checks
 `count_step` against closed forms). The counts are then the same, and so the times and the
 pick of `--recommend`.

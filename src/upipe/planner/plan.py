@@ -35,7 +35,7 @@ GiB = 2**30
 # the first and last blocks differ from the others (FSDP prefetch, the loss after the last
 # block), so the linear extrapolation needs two depths with an interior block: 2 and 3 blocks
 # overestimate with the memory features (29.97 vs 19.66 GiB, llama3-8b at 512K on 8 ranks),
-# 3 and 4 match the full depth exactly (tests/test_plan.py, docs/plan.md)
+# 3 and 4 match the full depth exactly (tests/runs/test_plan.py, docs/plan.md)
 EXTRAPOLATION_DEPTHS = (3, 4)
 FEATURES = ("mlp", "loss", "recompute", "offload")  # the memory features "on" turns on
 # --attention-outputs as feature tokens: kept on the GPU, or offloaded beside the inputs

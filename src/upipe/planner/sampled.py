@@ -7,7 +7,7 @@ only: the third and later repeat the memory of the second or stay below it. A ri
 diagonal block and then, twice each, every off-diagonal block that *any* rank of the ring
 computes: ranks differ only in those blocks, and a step's memory depends only on its block
 and on whether it receives a next one, so the simulated rank's peak is the worst rank's.
-`tests/test_plan.py` compares the peaks with those of the full loops on every rank.
+`tests/runs/test_plan.py` compares the peaks with those of the full loops on every rank.
 
 Why the simulator substitutes the loops rather than the loops having a mode: the shortcut
 leaves real outputs unwritten or wrong, so no compute code may ever be left in it. Here it

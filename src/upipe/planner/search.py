@@ -1,7 +1,7 @@
 """The planner's search: the longest multiple of a step whose simulated memory fits, in as
 few simulated steps as the shape of the memory allows.
 
-What it rests on (and what `tests/test_plan.py` and `tests/test_plan_speed.py` check):
+What it rests on (and what `tests/runs/test_plan.py` and `tests/runs/test_plan_speed.py` check):
 - **monotonic**: no part of the memory decreases with the sequence length, so the answer is
   the unique S that fits with S + step not fitting, whatever lengths were tried on the way:
   every guess below only changes how many steps are simulated, never the answer;

@@ -513,14 +513,14 @@ class StepSimulator(JobSimulator):
     and keys meet, `upipe.attention.ring`) and, when parameters do not divide evenly, in
     FSDP's shards (the first ranks' the larger). With `sample_loops` (the default) the
     simulated rank runs every rank's off-diagonal blocks, so rank 0's peak is the worst
-    rank's (`tests/test_plan.py` compares it with every rank's full step).
+    rank's (`tests/runs/test_plan.py` compares it with every rank's full step).
 
     `depths`: simulate models of these numbers of layers and extrapolate linearly to the
     model's depth, phase by phase (default: the full depth, no extrapolation). All blocks are
     identical, so in each phase every term of the live memory -- saved activations,
     parameter, gradient and optimizer-state shards, offloaded inputs -- is a per-block amount
     times the number of blocks plus a constant, and two depths fix both; the overall peak
-    is the largest phase. `tests/test_plan.py` checks it against full-depth runs.
+    is the largest phase. `tests/runs/test_plan.py` checks it against full-depth runs.
     """
 
     def __init__(

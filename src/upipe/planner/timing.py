@@ -21,7 +21,7 @@ count c is exactly
     c(n, S) = (a0 + a1 S + a2 S^2) + n (b0 + b1 S + b2 S^2)
 (blocks are identical; the GEMMs and every byte grow linearly with the tokens, attention
 with S^2), so the three lengths fix the parabola and the two depths the line, both in exact
-rational arithmetic; `tests/test_timing.py` checks the result against closed forms and
+rational arithmetic; `tests/runs/test_timing.py` checks the result against closed forms and
 against a fourth length and a third depth.
 
 Time model (`predict`), per rank, with the rates of a `Hardware` preset

@@ -250,7 +250,7 @@ def apply_fsdp(
     copy) come from CUDA's caching host allocator, which rounds each up to a power of two
     and keeps freed blocks for reuse; AdamW's states (`zeros_like` of a shard) are pageable.
     On the CPU (gloo) the policy's copies are to the same device (no copy), and the cast
-    runs per parameter: the same values as without offload (`tests/test_fsdp_offload.py`)."""
+    runs per parameter: the same values as without offload (`tests/runs/test_fsdp_offload.py`)."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -285,7 +285,7 @@ class MasterWeights:
     - after each optimizer step `copy_to_model` rounds the masters into the compute copy.
 
     Bytes per parameter: 4 master + 4 gradient + 8 AdamW + 2 compute copy = 18 (16 in fp32,
-    8 in all-bf16), measured by `tests/test_mixed_precision.py`.
+    8 in all-bf16), measured by `tests/runs/test_mixed_precision.py`.
 
     Why a persistent compute copy and not something lighter: `torch.autocast` is a different
     recipe (fp32 weights, each matmul casting its operands on every call and keeping
