@@ -48,7 +48,8 @@ _TRAIN = TrainConfig()  # `upipe train`'s defaults, which the plan's shared opti
 @dataclasses.dataclass(kw_only=True)
 class PlanConfig:
     model: str = dataclasses.field(default="llama3-8b", metadata={"choices": sorted(PRESETS)})
-    """Model preset."""
+    """Model preset of upipe's own model (Hugging Face models, among them the hybrid
+    qwen3-next-80b-a3b: --hf-config)."""
     model_config: str | None = None
     """JSON file of ModelConfig fields (overrides the preset's)."""
     hf_config: str | None = None
