@@ -99,3 +99,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "clusters" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("clusters"))
+
+
+def pytest_configure(config):
+    """pytest-xdist 3.8 groups tests by a suffix of their node ids, which pytest 9.2 no longer
+    keeps (pytest-dev/pytest-xdist#1386): the cluster tests would spread silently over both
+    workers (each starting its own clusters, competing for the cores). Refuse at once."""
+    if config.getoption("dist", "no") != "loadgroup" or hasattr(config, "workerinput"):
+        return
+    import xdist
+
+    def version(text: str) -> tuple[int, int]:
+        return tuple(int(part) for part in text.split(".")[:2])
+
+    if version(pytest.__version__) >= (9, 2) and version(xdist.__version__) <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest-xdist {xdist.__version__}'s --dist loadgroup does not group tests under "
+            f"pytest {pytest.__version__}: install pytest<9.2 (pip install -e '.[dev]'), or "
+            "run in one process (make test WORKERS=0)"
+        )

@@ -383,8 +383,11 @@ def test_metrics_file_torn_line_and_bad_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def short_timeout():
-    """Two ranks whose collectives time out after 3 s."""
-    with LocalCluster(2, timeout_s=120, pg_timeout_s=3) as cluster:
+    """Two ranks whose collectives time out after 3 s; the call waits up to 15 s for a peer's
+    own report after the first failure (a rank whose collective timed out reports after
+    3 s once it runs, but on a loaded 2-core machine it may start late: CI once saw rank 0
+    still running 5 s after its peer was killed)."""
+    with LocalCluster(2, timeout_s=120, pg_timeout_s=3, grace_s=15) as cluster:
         yield cluster
 
 

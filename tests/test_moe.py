@@ -235,7 +235,12 @@ def test_saved_memory_equals_closed_form(dtype, shared, weights):
 
 # Training parity, fp32: one step's gradients as close as the dense model's (the same
 # tolerance as test_train.py); the loss curve within 1e-6 relative (measured: 7.8e-7).
-LOSS_TOL, GRAD_TOL = 1e-6, 2e-5
+# The balance loss is a function of the router alone, and Adam moves each router weight by
+# about lr whatever its gradient's size, so a reduction-order difference (1e-7) in a
+# near-zero router gradient becomes a full step one way or the other: the balance loss
+# equals at step 1 (no update yet) within LOSS_TOL and after updates within AUX_TOL
+# (measured 2026-12-02: 3.4e-6 and 4.1e-6 at step 3, here and in CI).
+LOSS_TOL, GRAD_TOL, AUX_TOL = 1e-6, 2e-5, 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -257,11 +262,16 @@ def test_training_on_two_ranks_equals_one_process(clusters, single, kw):
     """The balance is over the whole sequence: upipe on 2 gloo ranks (each holding half of
     it) gives the single process's losses, balance losses and gradients."""
     got = clusters(2).run(moe_steps, small_config(model="tiny-moe", **kw))[0]
-    for a, b in zip(got["losses"], single["losses"], strict=True):
-        assert abs(a - b) < LOSS_TOL * abs(b), (got["losses"], single["losses"])
-    for a, b in zip(got["aux"], single["aux"], strict=True):
-        assert abs(a - b) < LOSS_TOL * abs(b), (got["aux"], single["aux"])
-    for name, err in grad_errors(got["grads"], single["grads"]).items():
+    _assert_same_training(got, single)
+
+
+def _assert_same_training(got: dict, want: dict) -> None:
+    """moe_steps' results equal: losses, balance losses (see AUX_TOL), step 1's gradients."""
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert abs(a - b) < LOSS_TOL * abs(b), (got["losses"], want["losses"])
+    for step, (a, b) in enumerate(zip(got["aux"], want["aux"], strict=True)):
+        assert abs(a - b) < (AUX_TOL if step else LOSS_TOL) * abs(b), (got["aux"], want["aux"])
+    for name, err in grad_errors(got["grads"], want["grads"]).items():
         assert err < GRAD_TOL, name
 
 
@@ -271,10 +281,7 @@ def test_data_parallel_is_the_mean_over_calls(clusters):
     sequences as 2 micro-batches: the balance term is the mean over the step's calls."""
     dp = clusters(2).run(moe_steps, small_config(model="tiny-moe", strategy="none"))[0]
     one = clusters(1).run(moe_steps, small_config(model="tiny-moe", strategy="none", grad_accum=2))
-    for a, b in zip(dp["losses"] + dp["aux"], one[0]["losses"] + one[0]["aux"], strict=True):
-        assert abs(a - b) < LOSS_TOL * abs(b)
-    for name, err in grad_errors(dp["grads"], one[0]["grads"]).items():
-        assert err < GRAD_TOL, name
+    _assert_same_training(dp, one[0])
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ process group has a timeout, every call has a wall-clock limit, and a call fails
 `DistributedError` whose first line names each rank that failed and how (`RankFailure`):
 it raised (its own error, then its traceback), was killed (by which signal), exited, or
 stopped answering (its peers time out in their next collective after `pg_timeout_s`; the
-rank is then found frozen, e.g. by SIGSTOP, or still running). The cluster is then
+rank is then found frozen, e.g. by SIGSTOP, or still running `grace_s` after the first
+failure; a loaded machine may need a grace longer than `pg_timeout_s`). The cluster is then
 restarted, since its peers may be stuck in a collective. The ranks die with the process
 that started them, however it ends (kill -9 included; `die_with_parent`).
 
@@ -199,6 +200,7 @@ class LocalCluster:
         pg_timeout_s: float = 60.0,
         threads: int = 1,
         env: dict[str, str] | None = None,
+        grace_s: float = GRACE_S,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -207,6 +209,7 @@ class LocalCluster:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.pg_timeout_s = pg_timeout_s
+        self.grace_s = grace_s
         self.threads = threads
         self.env = env or {}
         self._procs: list = []
@@ -295,7 +298,7 @@ class LocalCluster:
         if out_of_time is not None:
             return RankFailure(rank, "late", f"did not finish within {out_of_time:g} s")
         return RankFailure(
-            rank, "silent", f"was still running {GRACE_S:g} s after the first failure"
+            rank, "silent", f"was still running {self.grace_s:g} s after the first failure"
         )
 
     def _collect(self, timeout_s: float, doing: str) -> list:
@@ -305,7 +308,7 @@ class LocalCluster:
         grace_end = None
         while len(out) + len(failures) < self.world_size:
             if failures and grace_end is None:
-                grace_end = time.monotonic() + GRACE_S
+                grace_end = time.monotonic() + self.grace_s
             end = deadline if grace_end is None else min(deadline, grace_end)
             left = end - time.monotonic()
             if left <= 0:
