@@ -47,12 +47,22 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from upipe import loops
+
 SCAN_BACKENDS = ("torch", "fla")
 
 
 def fla_available() -> bool:
     """Whether flash-linear-attention is importable here."""
     return importlib.util.find_spec("fla") is not None
+
+
+def fla_chunk_gated_delta_rule():
+    """fla's `chunk_gated_delta_rule` (imported on first use; the planner's simulation puts
+    the memory of its kernels in its place: `upipe.planner.deltanet`)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
 
 
 def resolve_scan_backend(backend, device) -> str:
@@ -105,7 +115,8 @@ class Scan:
             return self._fla(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh)
         S = q_BSgd.shape[1]
         outs = [
-            self.reference(
+            loops.chunk_scan(
+                self.reference,
                 q_BSgd[:, a:b],
                 k_BSgd[:, a:b],
                 v_BShe[:, a:b],
@@ -118,8 +129,7 @@ class Scan:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _fla(self, q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+        chunk_gated_delta_rule = fla_chunk_gated_delta_rule()
         B, S, h = v_BShe.shape[:3]
         rep = h // q_BSgd.shape[2]
         q, k = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (q_BSgd, k_BSgd))

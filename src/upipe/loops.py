@@ -11,10 +11,15 @@
   backward also a dk/dv accumulator) into buffers of fixed shapes and attends to a block
   whose shapes depend only on which query and key halves meet, so a step's memory depends
   only on its block and on whether it receives a next one (every step but the last does).
+- Chunk scans (`chunk_scan`, `upipe.kernels_deltanet`): transformers' torch implementation of
+  the chunked gated delta rule (`torch_chunk_gated_delta_rule`) runs a Python loop over the
+  64-token chunks of the sequence; every iteration allocates the same buffers and saves the
+  same for backward (the chunk's state and corrected values), reading slices of tensors
+  allocated once before the loop.
 
-Both always run every iteration: what the compute code computes depends on its arguments
+All always run every iteration: what the compute code computes depends on its arguments
 alone. The planner's simulator, where nothing is computed, relies on the repetition to run
-fewer iterations: for one simulated step it substitutes these two functions
+fewer iterations: for one simulated step it substitutes these functions
 (`upipe.planner.sampled`). So call them through the module (`loops.tile_starts(...)`, not
 `from upipe.loops import tile_starts`), which `tests/distributed/test_layers.py` checks.
 """
@@ -34,3 +39,9 @@ def ring_steps(C: int, rank: int, block: Callable[[int, int], object]) -> list[t
     the block computed at the step that holds source rank src's kv, and `receives` whether
     the step also receives the next kv block: steps i = 0 .. C-1 with src = (rank - i) mod C."""
     return [(i == 0, block(rank, (rank - i) % C), i + 1 < C) for i in range(C)]
+
+
+def chunk_scan(reference: Callable, *args, **kwargs):
+    """`reference(*args, **kwargs)`: a chunked scan (transformers'
+    `torch_chunk_gated_delta_rule`) whose loop over chunks repeats its memory (module doc)."""
+    return reference(*args, **kwargs)

@@ -99,10 +99,11 @@ def test_options_move_the_peak_as_their_formulas_say():
     assert 3 * F * e <= no_mlp - on <= 4 * F * e + 4 * D * 4, (no_mlp - on) / (F * e)
 
 
-@pytest.mark.parametrize("name", sorted(SHIPPED))
+@pytest.mark.parametrize("name", sorted(n for n in SHIPPED if not n.startswith("qwen3-next")))
 def test_shipped_configs_load(name):
-    """Each shipped config loads, becomes transformers' config and model (one layer, on the
-    meta device), whose parameters are those of its shapes (plus Qwen2's q/k/v biases)."""
+    """Each shipped config of a dense model loads, becomes transformers' config and model
+    (one layer, on the meta device), whose parameters are those of its shapes (plus Qwen2's
+    q/k/v biases). (The hybrid's: tests/test_plan_hybrid.py.)"""
     import transformers
 
     hf = load_hf_config(name)

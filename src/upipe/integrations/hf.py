@@ -110,18 +110,28 @@ def _check_model(model) -> Arch:
     return arch
 
 
+def hybrid_split_problem(strategy: str, ring: int) -> str | None:
+    """Why a hybrid model (Gated DeltaNet layers) cannot run `strategy` on a mesh with a
+    ring dim of `ring` (1: a group, or no ring), or None: its linear layers are split by
+    heads only (the sequence split of issue 29 is not built). `upipe plan` refuses the same
+    candidates with this message (`upipe.planner.hf.hybrid_problem`)."""
+    if strategy != "ring" and ring <= 1:
+        return None
+    what = "strategy='ring'" if strategy == "ring" else f"a mesh with a ring dim of {ring}"
+    return (
+        f"{what} is not supported for hybrid models (Gated DeltaNet layers): their linear "
+        "layers are split by heads (Ulysses / UPipe), not along the sequence; use "
+        "strategy='upipe' or 'ulysses' on a group (or a mesh with ring=1)"
+    )
+
+
 def _check_hybrid(arch: Arch, strategy, mesh) -> None:
     """Hybrid models (Gated DeltaNet layers) split their linear layers by heads only."""
-    if not arch.hybrid:
-        return
-    ring = None if mesh is None else mesh["ring"].size()
-    if strategy == "ring" or (ring or 1) > 1:
-        what = "strategy='ring'" if strategy == "ring" else f"a mesh with a ring dim of {ring}"
-        raise ValueError(
-            f"{what} is not supported for hybrid models (Gated DeltaNet layers): their linear "
-            "layers are split by heads (Ulysses / UPipe), not along the sequence; use "
-            "strategy='upipe' or 'ulysses' on a group (or a mesh with ring=1)"
-        )
+    problem = arch.hybrid and hybrid_split_problem(
+        strategy, 1 if mesh is None else mesh["ring"].size()
+    )
+    if problem:
+        raise ValueError(problem)
 
 
 def _sequence_group(group, mesh):

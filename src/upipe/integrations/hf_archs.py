@@ -126,10 +126,13 @@ PLANNED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3NextForCausalLM",
 )
-"""Those `upipe plan --hf-config` simulates: its time model and shapes (`hf_shapes`) count a
-dense MLP and fused attention projections -- not the experts of an MoE model, OLMo's unfused
-attention or Phi-3's fused rows."""
+"""Those `upipe plan --hf-config` simulates: the dense decoders, whose time model and shapes
+(`hf_shapes`) count a dense MLP and fused attention projections -- not the experts of an MoE
+model, OLMo's unfused attention or Phi-3's fused rows -- and the hybrid Qwen3-Next, whose
+memory (Gated DeltaNet layers, gated attention, FSDP2-sharded experts) and time are both
+those of the Hugging Face model itself (`upipe.planner.hf`, tests/test_plan_hybrid.py)."""
 
 
 def _gemma2(cfg) -> str:

@@ -8,9 +8,10 @@ under fake tensors, as `upipe.planner.step` simulates `upipe train`.
 (`step.JobSimulator`, which also cuts the repeating loops short and extrapolates the depth),
 and steps it as transformers' `Trainer` under `upipe.integrations.trainer` steps it:
 - the model: `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` /
-  `Qwen3ForCausalLM` of the config (on the meta device: no weights, no download) in the
-  compute dtype throughout -- weights, gradients and AdamW states in bf16, as the docs/hf.md
-  recipe loads it (`dtype=torch.bfloat16`, `bf16=False`: upipe refuses autocast);
+  `Qwen3ForCausalLM` / `Qwen3NextForCausalLM` of the config (on the meta device: no
+  weights, no download) in the compute dtype throughout -- weights, gradients and AdamW
+  states in bf16, as the docs/hf.md recipe loads it (`dtype=torch.bfloat16`, `bf16=False`:
+  upipe refuses autocast);
 - `apply_context_parallel(model, group= or mesh=, strategy=, heads_per_stage=, backend=,
   tiled_mlp=, mlp_tile=, chunked_loss=, loss_chunk=, activation_checkpoint=,
   blocks_per_checkpoint=, offload=, keep_on_gpu=, attention_outputs=)` from the candidate's
@@ -25,6 +26,17 @@ workspace, CUDA's fused RMSNorm for `F.rms_norm` -- which the fused UPipe op's Q
 transformers' own `LlamaRMSNorm` etc. are Python code and run as on a GPU --, offloaded
 inputs on the meta device counted as host memory, `.item()` answering 1).
 
+Hybrid models (Qwen3-Next, `is_hybrid`): the Gated DeltaNet layers run as
+`apply_context_parallel` converts them (split by heads, UPipe's stages with the candidate's
+heads per stage; ring and USP refused, `hybrid_problem`), their scan with fla's kernel's
+memory on CUDA (`upipe.planner.deltanet`) or transformers' torch scan cut short on the CPU
+(`upipe.planner.sampled`); the MoE experts are transformers' own (3-D parameters, one
+grouped GEMM per projection, experts_implementation "grouped_mm", its default), sharded by
+FSDP2 over every rank with the rest of their layer (no expert parallelism: each layer's
+experts are all-gathered for its forward and backward); the depth is extrapolated by whole
+layer patterns (`layer_period`, `upipe.planner.plan.extrapolation_depths`). The grouped
+GEMM has no fp32 kernel under fake tensors: hybrids with experts plan in bf16.
+
 Legend: B batch, S sequence, L = S / C tokens per rank, C context-parallel size.
 """
 
@@ -32,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -55,6 +68,7 @@ SHIPPED = {
     "qwen3-8b": "qwen3-8b.json",
     "qwen2.5-7b": "qwen2.5-7b.json",
     "mistral-7b-v0.3": "mistral-7b-v0.3.json",
+    "qwen3-next-80b-a3b": "qwen3-next-80b-a3b.json",
 }
 # what a config must give (architecture fields; the rest have transformers' defaults)
 REQUIRED = (
@@ -106,6 +120,31 @@ def load_hf_config(path_or_name: str) -> dict:
     return hf
 
 
+def is_hybrid(hf: dict) -> bool:
+    """Whether the config's model has Gated DeltaNet layers (Qwen3-Next, Qwen3.5)."""
+    from upipe.integrations.hf_archs import ARCHITECTURES
+
+    arch = ARCHITECTURES.get(hf["architectures"][0])
+    return arch is not None and arch.hybrid
+
+
+def layer_period(hf: dict) -> int | None:
+    """The period of the config's layer pattern: 1 for a dense decoder (every layer alike);
+    for a hybrid, the full-attention interval p (transformers' `full_attention_interval`:
+    layers i with (i + 1) mod p == 0 are full attention, the others Gated DeltaNet) times the
+    MoE step, so that a model of any multiple of it has the layers of the model's first
+    ones. None where the layers have no period (a `layer_types` or `mlp_only_layers` that
+    breaks it): the depth is then simulated in full."""
+    if not is_hybrid(hf):
+        return 1
+    n, p = hf["num_hidden_layers"], hf.get("full_attention_interval", 4)
+    step = hf.get("decoder_sparse_step", 1) if hf.get("num_experts", 0) else 1
+    pattern = ["full_attention" if (i + 1) % p == 0 else "linear_attention" for i in range(n)]
+    if hf.get("layer_types", pattern) != pattern or hf.get("mlp_only_layers"):
+        return None
+    return math.lcm(p, step)
+
+
 def shapes(hf: dict) -> ModelConfig:
     """The `ModelConfig` of the config's shapes (for the checks of `upipe.train.config.
     validate`, the candidates' heads per stage, the depth extrapolation and the time model;
@@ -128,13 +167,19 @@ def build_config(hf: dict, n_layers: int | None = None):
     return config
 
 
-def hf_problem(cfg) -> str | None:
-    """Why the Hugging Face path cannot run the candidate `cfg` (a `TrainConfig`), or None."""
+def hf_problem(cfg, hf: dict | None = None, world: int | None = None) -> str | None:
+    """Why the Hugging Face path cannot run the candidate `cfg` (a `TrainConfig`) of the
+    model of config `hf` on `world` ranks, or None (without `hf`: the model-independent
+    reasons only)."""
     if cfg.strategy not in HF_STRATEGIES:
         return (
             f"strategy {cfg.strategy!r}: the Hugging Face path (apply_context_parallel) runs "
             f"{', '.join(HF_STRATEGIES)}"
         )
+    if hf is not None and is_hybrid(hf):
+        problem = hybrid_problem(cfg, hf, world)
+        if problem:
+            return problem
     if not cfg.fsdp:
         return (
             "--no-fsdp: the Hugging Face path is planned with FSDP2 (the docs/hf.md recipe; "
@@ -149,6 +194,32 @@ def hf_problem(cfg) -> str | None:
         return f"--dp {cfg.dp}: the Hugging Face path is planned with all GPUs on one sequence"
     if cfg.grad_accum != 1:
         return f"--grad-accum {cfg.grad_accum}: the Hugging Face plan is one micro-batch"
+    return None
+
+
+def hybrid_problem(cfg, hf: dict, world: int) -> str | None:
+    """Why a hybrid model (`is_hybrid`) cannot run candidate `cfg` on `world` ranks, as
+    `apply_context_parallel` would refuse it: its Gated DeltaNet layers are split by heads
+    only (no ring), over their value and key heads with the candidate's heads per stage."""
+    from upipe.attention.deltanet import all_heads, check_stages
+    from upipe.integrations.hf import hybrid_split_problem
+
+    _, ring, uly = cfg.degrees(world)
+    # (USP runs as apply_context_parallel's ulysses on a mesh with a ring dim)
+    problem = hybrid_split_problem(HF_STRATEGIES[cfg.strategy], ring)
+    if problem:
+        return f"--strategies {cfg.strategy}: {problem}"
+    if hf.get("num_experts") and cfg.dtype != "bfloat16":
+        return (
+            f"--dtype {cfg.dtype}: the experts' grouped GEMM (torch._grouped_mm) has no "
+            f"{cfg.dtype} kernel under fake tensors; plan a hybrid MoE model in bfloat16"
+        )
+    H, G = hf["linear_num_value_heads"], hf["linear_num_key_heads"]
+    U = all_heads(H, uly) if cfg.strategy == "ulysses" else cfg.heads_per_stage
+    try:
+        check_stages(H, G, uly, U)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -244,7 +315,7 @@ class HFStepSimulator(JobSimulator):
             sample_loops=sample_loops,
             rank=rank,
         )
-        problem = hf_problem(cfg) or validate(cfg, world, self.shape)
+        problem = hf_problem(cfg, hf, world) or validate(cfg, world, self.shape)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[cfg.dtype]

@@ -48,14 +48,17 @@ _TRAIN = TrainConfig()  # `upipe train`'s defaults, which the plan's shared opti
 @dataclasses.dataclass(kw_only=True)
 class PlanConfig:
     model: str = dataclasses.field(default="llama3-8b", metadata={"choices": sorted(PRESETS)})
-    """Model preset."""
+    """Model preset of upipe's own model (Hugging Face models, among them the hybrid
+    qwen3-next-80b-a3b: --hf-config)."""
     model_config: str | None = None
     """JSON file of ModelConfig fields (overrides the preset's)."""
     hf_config: str | None = None
     """Plan the Hugging Face path instead of upipe's own model: a transformers config.json
-    (path) or a shipped one (llama-3.1-8b, qwen3-8b, qwen2.5-7b, mistral-7b-v0.3), its
-    model class simulated with apply_context_parallel, FSDP2 and AdamW, weights, gradients
-    and AdamW states in --dtype (--master-dtype is not used; upipe.planner.hf)."""
+    (path) or a shipped one (llama-3.1-8b, qwen3-8b, qwen2.5-7b, mistral-7b-v0.3, and the
+    hybrid qwen3-next-80b-a3b), its model class simulated with apply_context_parallel, FSDP2
+    and AdamW, weights, gradients and AdamW states in --dtype (--master-dtype is not used;
+    upipe.planner.hf; a hybrid's Gated DeltaNet layers scan with fla's kernel on cuda,
+    transformers' torch scan on cpu: docs/hybrid.md)."""
     gpus: int = 8
     """Number of GPUs (ranks)."""
     gpu_memory_gib: float | None = None
@@ -134,17 +137,45 @@ class PlanConfig:
     """Write peak memory vs sequence length per strategy here (PNG)."""
 
 
-def extrapolation_depths(cfg: TrainConfig, n_layers: int) -> tuple[int, int]:
+def extrapolation_depths(cfg: TrainConfig, n_layers: int, period: int = 1) -> tuple[int, int]:
     """The two depths to simulate for `cfg`: `EXTRAPOLATION_DEPTHS` in checkpoints rather
     than blocks (m blocks per checkpoint), plus the K checkpoints kept on the GPU, plus the
     n_layers mod m blocks of the model's last, shorter checkpoint -- so that both depths
     differ from the model only by whole interior checkpoints, offloaded ones with offload:
 
         depths = ((3 + K) m + r, (4 + K) m + r),  r = n_layers mod m
-    """
+
+    A model whose layers repeat a pattern of `period` p layers (a hybrid's Gated DeltaNet and
+    attention layers, `upipe.planner.hf.layer_period`) steps by whole patterns and whole
+    checkpoints, u = lcm(m, p) layers, from the first multiple of u that holds 3 + K
+    checkpoints and 3 patterns (a first, an interior and a last one, as the blocks above):
+
+        depths = (c u + r, (c + 1) u + r),  c = max(ceil((3 + K) m / u), 3),  r = n_layers mod u
+
+    (the same as above for p = 1). One and two patterns do not extrapolate: Qwen3-Next at 1M
+    tokens on 8 ranks (UPipe, every memory feature) peaks where FSDP2 holds one layer's
+    gathered experts at 4 layers and two at 8, and 4 and 8 layers extrapolate to 136.0 GiB
+    where 48 layers hold 105.3; 8, 12 and 16 layers lie on one line through 48's."""
     m = cfg.blocks_per_checkpoint if cfg.activation_checkpoint else 1
-    keep, r = cfg.keep_on_gpu if cfg.offload else 0, n_layers % m
-    return tuple((n + keep) * m + r for n in EXTRAPOLATION_DEPTHS)
+    keep = cfg.keep_on_gpu if cfg.offload else 0
+    u = math.lcm(m, period)
+    first = EXTRAPOLATION_DEPTHS[0]
+    c, r = max(-(-(first + keep) * m // u), first), n_layers % u
+    return c * u + r, (c + 1) * u + r
+
+
+def simulated_depths(pc: PlanConfig, cfg: TrainConfig, model) -> tuple[int, ...]:
+    """The depths the planner simulates for candidate `cfg` of `pc`: `extrapolation_depths`
+    with the model's layer period (`upipe.planner.hf.layer_period` with --hf-config), or the
+    model's own depth where its layers have no period."""
+    period = 1
+    if pc.hf_config:
+        from upipe.planner.hf import layer_period, load_hf_config
+
+        period = layer_period(load_hf_config(pc.hf_config))
+    if period is None:
+        return (model.n_layers,)
+    return extrapolation_depths(cfg, model.n_layers, period)
 
 
 def feature_set(name: str, pc: PlanConfig | None = None) -> dict:
@@ -238,15 +269,15 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
                 if feat != "off":
                     label += " +features" if feat == "on" else f" +{feat}"
                 cfg = TrainConfig(**kw, plot=None)
-                problem = _hf_problem(cfg) if pc.hf_config else None
+                problem = _hf_problem(cfg, pc) if pc.hf_config else None
                 rows.append((label, kw, problem or validate(cfg, pc.gpus, model)))
     return rows
 
 
-def _hf_problem(cfg: TrainConfig) -> str | None:
-    from upipe.planner.hf import hf_problem
+def _hf_problem(cfg: TrainConfig, pc: PlanConfig) -> str | None:
+    from upipe.planner.hf import hf_problem, load_hf_config
 
-    return hf_problem(cfg)
+    return hf_problem(cfg, load_hf_config(pc.hf_config), pc.gpus)
 
 
 def simulator(pc: PlanConfig, cfg: TrainConfig, model, **kw):
@@ -337,7 +368,7 @@ def plan(pc: PlanConfig, progress=None) -> dict:
     for label, kw, problem in candidates(pc, model):
         out["strategies"].append({"strategy": label, "train_config": kw, "problem": problem})
         if not problem:
-            depths = extrapolation_depths(TrainConfig(**kw, plot=None), model.n_layers)
+            depths = simulated_depths(pc, TrainConfig(**kw, plot=None), model)
             todo.append(
                 (len(out["strategies"]) - 1, (pc, model, budget, label, kw), cost(kw, depths))
             )
@@ -367,7 +398,7 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict) -> dict:
     cannot fit)."""
     cfg = TrainConfig(**kw, plot=None)
     step = _step(pc)
-    depths = extrapolation_depths(cfg, model.n_layers) if pc.extrapolate else None
+    depths = simulated_depths(pc, cfg, model) if pc.extrapolate else None
     host_budget = pc.host_memory_gib * GiB
     mems, start = {}, time.perf_counter()
     sim_kw = dict(depths=depths, kernels=pc.device, attention_kernel=pc.attention_kernel)

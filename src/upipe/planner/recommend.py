@@ -17,7 +17,10 @@ simulator needs the process's default process group).
 
 With --hf-config the memory is the Hugging Face path's (`upipe.planner.hf`), the time that
 of upipe's own trainer counted on the same shapes and features (the same GEMMs, attention
-calls and exchanges; not the memory-bound work of transformers' fp32 norms), and the pick
+calls and exchanges; not the memory-bound work of transformers' fp32 norms) -- or, for a
+hybrid model (Qwen3-Next: Gated DeltaNet layers, MoE experts), counted in the Hugging Face
+model itself (`timing.count_step(..., hf=)`: its GEMMs, grouped expert GEMMs, attention,
+fla's DeltaNet kernels by formula, every exchange), on CUDA only -- and the pick
 comes as the Trainer's settings (`hf.hf_settings`: TrainingArguments, `context_parallel=`,
 the accelerate FSDP2 config) with its torchrun command.
 """
@@ -90,6 +93,12 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
             f"attention): use --dtype bfloat16, not {pc.dtype}"
         )
     model, budget = plan.checked(pc)
+    hybrid = _hybrid_config(pc)
+    if hybrid and pc.device != "cuda":
+        raise ValueError(
+            "--recommend for a hybrid model times fla's Gated DeltaNet kernels on CUDA: use "
+            "--device cuda (on the CPU the torch scan would be counted chunk by chunk)"
+        )
     host_budget = pc.host_memory_gib * GiB
     rows, todo = [], []
     for label, kw, problem in plan.candidates(pc, model):
@@ -108,7 +117,7 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
 
     def expected(row):  # (the longest first: `runner.cost`)
         kw = row["train_config"]
-        return -cost(kw, plan.extrapolation_depths(TrainConfig(**kw, plot=None), model.n_layers))
+        return -cost(kw, plan.simulated_depths(pc, TrainConfig(**kw, plot=None), model))
 
     out = {"config": dataclasses.asdict(pc), "seq_len": N, "budget_bytes": budget}
     out["candidates"] = rows
@@ -151,6 +160,17 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
     return out
 
 
+def _hybrid_config(pc) -> dict | None:
+    """With --hf-config of a hybrid model (`upipe.planner.hf.is_hybrid`): its config, whose
+    Hugging Face model is counted for the time model; else None."""
+    if not pc.hf_config:
+        return None
+    from upipe.planner.hf import is_hybrid, load_hf_config
+
+    hf = load_hf_config(pc.hf_config)
+    return hf if is_hybrid(hf) else None
+
+
 def _pick(fit: list[dict]) -> dict | None:
     """Of the fitting candidates, fastest first: the one with the smallest device peak among
     those within `TIE` of the fastest predicted step (the model does not resolve smaller
@@ -167,7 +187,7 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
     counts (a candidate that cannot run is not timed: that would double the search)."""
     start = time.perf_counter()
     cfg = TrainConfig(**kw, plot=None)
-    depths = plan.extrapolation_depths(cfg, model.n_layers)
+    depths = plan.simulated_depths(pc, cfg, model)
     memory_depths = depths if pc.extrapolate else None
     sim_kw = dict(depths=memory_depths, kernels=pc.device, attention_kernel=pc.attention_kernel)
     with plan.simulator(pc, cfg, model, **sim_kw) as sim:
@@ -190,8 +210,9 @@ def _evaluate(pc, model, N: int, budget: float, host_budget: float, kw: dict) ->
         # unit; counted in this simulator where it can be (`counts.count_in`)
         fit = dict(unit=kw["seq_len"], depths=depths)
         counts = None if pc.hf_config else count_in(sim, cfg, pc.gpus, model, padded, **fit)
-    if counts is None:  # (the HF path's memory, upipe's own trainer's time)
-        counts = count_step(cfg, pc.gpus, model, padded, **fit, kernels=pc.device)
+    if counts is None:  # the HF path: a hybrid's own time, a dense one's upipe trainer's
+        hf = _hybrid_config(pc)
+        counts = count_step(cfg, pc.gpus, model, padded, **fit, kernels=pc.device, hf=hf)
     return {**row, "counts": counts, "simulated_s": round(time.perf_counter() - start, 2)}
 
 

@@ -9,6 +9,23 @@ computes: ranks differ only in those blocks, and a step's memory depends only on
 and on whether it receives a next one, so the simulated rank's peak is the worst rank's.
 `tests/runs/test_plan.py` compares the peaks with those of the full loops on every rank.
 
+A chunk scan (`loops.chunk_scan`: transformers' `torch_chunk_gated_delta_rule`, the Gated
+DeltaNet layer's scan on the CPU) runs the first `SCAN_CHUNKS` of its n chunks, and its graph
+holds a stand-in for the others' saved tensors (`_ChunkSampler`). The loop is transformers'
+(`for i in range(num_chunks)`), so it is cut short where it looks its `range` up: in the
+function's module globals, for the call of one argument equal to the chunk count. An
+iteration allocates the same buffers as any other and keeps the same bytes for backward
+(the chunk's state and corrected values: R bytes, measured as the storages that iteration 2
+saves first -- iteration 0 saves less, as its zero initial state needs no gradient, and
+iteration 1 the first slices of tensors made before the loop); the backward walks the
+chunks in reverse, each freeing its R. So at the start of iteration 3 one buffer of
+(n - 4) R bytes is allocated and attached to what iteration 0 saved first (freed when the
+backward has passed iteration 0, as the real chunks' would have been by then): the four
+chunks run then stand for chunks 0, 1, 2 and n - 1 forward and for n - 4 .. n - 1 backward,
+where the loop's peaks are (the last chunk forward; the first two chunks of the backward,
+before the rest is freed), with the same bytes live. `tests/test_plan_hybrid.py` compares
+the scan's peaks forward and backward with the full loop's, byte for byte.
+
 Why the simulator substitutes the loops rather than the loops having a mode: the shortcut
 leaves real outputs unwritten or wrong, so no compute code may ever be left in it. Here it
 exists only on the simulator's own path: `StepSimulator.step` swaps these functions into
@@ -24,10 +41,17 @@ so the plans are byte-identical and as fast.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable
 from unittest import mock
 
+import torch
+
 from upipe import loops
+from upipe.torch_private import saved_tensor_hooks_active
+
+SCAN_CHUNKS = 4  # chunks of a chunk scan run (module doc)
+CHUNK = 64  # transformers' chunk size (`torch_chunk_gated_delta_rule`'s default)
 
 
 def _tile_starts(length: int, tile: int) -> range:
@@ -50,7 +74,68 @@ def _ring_steps(C: int, rank: int, block: Callable[[int, int], object]) -> list[
     return [(True, block(rank, rank), C > 1), *twice]
 
 
+class _ChunkSampler:
+    """The shortcut through one call of a chunk scan of n > `SCAN_CHUNKS` chunks (module
+    doc): `range` for the scan's module, and the saved-tensor hooks that measure R and hold
+    the skipped chunks' buffer."""
+
+    def __init__(self, n: int):
+        self.n, self.chunk = n, -1  # the chunk count; the chunk running (-1: not the loop)
+        self.saved: set[int] = set()  # storages saved so far
+        self.per_chunk = 0  # R: bytes first saved by chunk 2
+        self.holder: list | None = None  # what chunk 0 saved first holds the buffer
+        self.cut = False  # the loop was found
+
+    def range(self, *args):
+        return self._chunks() if args == (self.n,) else builtins.range(*args)
+
+    def _chunks(self):
+        self.cut = True
+        for i in builtins.range(SCAN_CHUNKS):
+            self.chunk = i
+            if i == SCAN_CHUNKS - 1 and self.per_chunk:  # (nothing saved: no graph)
+                nbytes = (self.n - SCAN_CHUNKS) * self.per_chunk
+                self.holder.append(self.like.new_empty(nbytes, dtype=torch.uint8))
+            yield i
+        self.chunk = -1
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage()._cdata
+        if self.chunk == 2 and key not in self.saved:
+            self.per_chunk += t.untyped_storage().nbytes()
+        self.saved.add(key)
+        if self.chunk == 0 and self.holder is None:
+            self.holder, self.like = [], t
+            return t, self.holder
+        return t
+
+    @staticmethod
+    def unpack(packed):
+        return packed[0] if isinstance(packed, tuple) else packed
+
+
+def _chunk_scan(reference: Callable, q, *args, **kwargs):
+    """`loops.chunk_scan` cut short (module doc): q `[B, S, ...]` in chunks of `CHUNK`."""
+    n = -(-q.shape[1] // CHUNK)
+    if n <= SCAN_CHUNKS:
+        return reference(q, *args, **kwargs)
+    if saved_tensor_hooks_active():  # (ours would hide the scan's tensors from them)
+        raise RuntimeError("a chunk scan cannot be cut short under other saved-tensor hooks")
+    sampler = _ChunkSampler(n)
+    hooks = torch.autograd.graph.saved_tensors_hooks(sampler.pack, sampler.unpack)
+    with mock.patch.dict(reference.__globals__, {"range": sampler.range}), hooks:
+        out = reference(q, *args, **kwargs)
+    if not sampler.cut:  # (a later transformers may loop otherwise: say so, never guess)
+        raise RuntimeError(
+            f"the chunk scan {reference.__qualname__} did not loop over range({n}): "
+            "upipe.planner.sampled cannot cut it short"
+        )
+    return out
+
+
 def sampled_loops():
     """Within the block `upipe.loops` takes the shortcut above (for fake tensors only: real
     outputs would be left unwritten or wrong)."""
-    return mock.patch.multiple(loops, tile_starts=_tile_starts, ring_steps=_ring_steps)
+    return mock.patch.multiple(
+        loops, tile_starts=_tile_starts, ring_steps=_ring_steps, chunk_scan=_chunk_scan
+    )

@@ -81,6 +81,7 @@ from upipe.memory.simulate import fake_process_group
 from upipe.memory.tracker import _DEVICE, MemoryTracker, _plain_tensors
 from upipe.mesh import make_mesh
 from upipe.model import CausalLM, get_config
+from upipe.planner.deltanet import fla_kernels
 from upipe.planner.sampled import sampled_loops
 from upipe.torch_private import (
     FakeTensor,
@@ -133,10 +134,12 @@ def _kernels(kind: str):
     """With kind "cuda", within the block: `F.rms_norm` -- the model's norms and the fused
     UPipe op's QK-norm -- has the memory of CUDA's fused kernel (`_FusedRMSNorm`), and the
     fused UPipe op's fp32 accumulations that of CUDA's out_dtype GEMM (`_cuda_addmm_acc_`),
-    and FSDP2's offloaded shards are copied to the device before their all-gather
-    (`_h2d_all_gather_inputs`)."""
+    FSDP2's offloaded shards are copied to the device before their all-gather
+    (`_h2d_all_gather_inputs`), and the Gated DeltaNet layers scan with fla's kernel
+    (`upipe.planner.deltanet.fla_kernels`)."""
     stack = contextlib.ExitStack()
     if kind == "cuda":
+        stack.enter_context(fla_kernels())
         stack.enter_context(mock.patch.object(torch.nn.functional, "rms_norm", _cuda_rms_norm))
         stack.enter_context(mock.patch("upipe.attention.staged_layer.addmm_acc_", _cuda_addmm_acc_))
         inputs = property(_h2d_all_gather_inputs)

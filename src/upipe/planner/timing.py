@@ -5,14 +5,19 @@ Counting (`count_step`). One rank's step runs under `upipe.planner.step.StepSimu
 - `_Counter`: FLOPs by the formulas of `torch.utils.flop_counter` (`flop_registry`), with
   formulas for the ops it does not know: the CPU flash-attention kernel that stands in for
   CUDA's (`_FLOPS`: torch's own SDPA formulas, halved for a causal call), the in-place
-  `addmm_` (the chunked loss's dW) and the MoE experts' grouped GEMMs (2 M O I for M = N K
-  routed rows: a token costs its K experts, not all E); bytes copied between device and
+  `addmm_` (the chunked loss's dW) and the MoE experts' grouped GEMMs (upipe's and torch's
+  `_grouped_mm`, transformers' experts: 2 M O I for M = N K routed rows: a token costs its
+  K experts, not all E); bytes copied between device and
   host (the offload arena lives on `step.HOST_DEVICE` in the simulation), bytes of ops that
   run on host tensors, and the bytes every other (memory-bound) op on the device reads and
   writes;
 - `upipe.memory.simulate.CollectiveLog`: every collective's op, bytes and group;
 - the out_dtype GEMMs of the fused UPipe op, which the simulation's CUDA stand-in
-  (`step._cuda_addmm_acc_`) runs without dispatching any op: 2 N K M each.
+  (`step._cuda_addmm_acc_`) runs without dispatching any op: 2 N K M each;
+- the Gated DeltaNet layers' scans (a hybrid model's, on CUDA: fla's kernels, whose memory
+  `upipe.planner.deltanet` simulates without dispatching their work) by the formulas of
+  `upipe.planner.deltanet` ("deltanet_flops"), timed at the dense GEMM rate (a lower bound
+  for Triton kernels).
 The simulator cuts tile and ring loops short and extrapolates the depth, which keeps the
 memory and not the counts; so `count_step` runs the full loops (`sample_loops=False`) at
 three short lengths S_k = k u (k = 2, 3, 4; u: whole MLP tiles and loss chunks per rank, see
@@ -28,6 +33,7 @@ Time model (`predict`), per rank, with the rates of a `Hardware` preset
 (`upipe.planner.hardware`: every rate with its source; R_fwd and R_bwd those of the chosen
 attention kernel on that GPU):
     compute   = F_gemm / R_gemm + F_attn_fwd / R_fwd + F_attn_bwd / R_bwd + B_mem / W_hbm
+                + F_deltanet / R_gemm
     step      = compute + t_a2a + t_allreduce + t_h2d + t_host + max(0, t_fsdp - compute)
                 + max(0, t_p2p - t_attn) + max(0, t_d2h - compute) + max(0, t_fsdp_copies - compute)
 - all-to-alls (Ulysses / UPipe exchanges) are exposed: each stage waits for its exchange
@@ -60,6 +66,7 @@ Legend: S sequence, L = S / C tokens per rank, C group size, n blocks, u length 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from fractions import Fraction
@@ -71,6 +78,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 from upipe.memory.simulate import CollectiveLog
 from upipe.memory.tracker import _plain_tensors
 from upipe.model import moe  # noqa: F401  (registers torch.ops.upipe.grouped_linear)
+from upipe.planner import deltanet as deltanet_module
 from upipe.planner import step as step_module
 from upipe.planner.hardware import (  # noqa: F401  (the presets, also reached from here)
     A100,
@@ -128,12 +136,28 @@ def _grouped_linear_weight_grad(dy, x, ends, **_):
     return 2 * dy[0] * dy[1] * x[1]
 
 
+def _grouped_mm(a, b, offs=None, **_):
+    """torch's grouped GEMM (`aten._grouped_mm`, transformers' MoE experts under
+    experts_implementation "grouped_mm"), the groups of rows given by `offs`: each row (or
+    column) meets only its group's matrix, so
+    - a `[M, K]` x b `[E, K, N]` -> `[M, N]` (forward; and the input gradient): 2 M K N;
+    - a `[K, M]` x b `[M, N]` split along M -> `[E, K, N]` (the weight gradient): 2 K M N;
+    - a `[E, M, K]` x b `[K, N]` split along N -> `[M, N]`: 2 M K N;
+    - a `[E, M, K]` x b `[E, K, N]` (batched): 2 E M K N."""
+    if len(a) == 2:
+        return 2 * a[0] * a[1] * b[-1]
+    if len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
 _FLOPS = {
     _ATTN_FWD: _attention_forward,
     _ATTN_BWD: _attention_backward,
     _aten.addmm_: _addmm_,
     torch.ops.upipe.grouped_linear: _grouped_linear,
     torch.ops.upipe.grouped_linear_weight_grad: _grouped_linear_weight_grad,
+    _aten._grouped_mm: _grouped_mm,
 }
 _CATEGORY = {_ATTN_FWD: "attention_forward_flops", _ATTN_BWD: "attention_backward_flops"}
 _FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in _FLOPS.items()}}
@@ -225,7 +249,14 @@ def _count(sim: StepSimulator, seq_len: int, depth: int | None = None) -> dict[s
         counter.counts["gemm_flops"] += 2 * a.shape[0] * a.shape[1] * b.shape[1]  # acc += a b
         return stand_in(acc, a, b, tensor_cores=tensor_cores)
 
-    with mock.patch.object(step_module, "_cuda_addmm_acc_", addmm_acc_), counter, log:
+    def account(kind: str, flops: int) -> None:
+        """fla's kernels in the simulation dispatch no op: their FLOPs by formula."""
+        counter.counts["deltanet_flops"] = counter.counts.get("deltanet_flops", 0) + flops
+
+    patches = contextlib.ExitStack()
+    patches.enter_context(mock.patch.object(step_module, "_cuda_addmm_acc_", addmm_acc_))
+    patches.enter_context(mock.patch.object(deltanet_module, "_account", account))
+    with patches, counter, log:
         if depth is None:
             sim.step(seq_len)
         else:
@@ -271,21 +302,26 @@ def _count_setup(cfg, world: int, seq_len: int, unit: int):
     return cfg, [k * U for k in COUNT_MULTIPLES]
 
 
-def count_step(cfg, world: int, model, seq_len: int, *, unit: int, depths, kernels="cuda"):
+def count_step(cfg, world: int, model, seq_len: int, *, unit: int, depths, kernels="cuda", hf=None):
     """Exact counts (module doc) of rank 0's training step of `cfg` (a `TrainConfig`) on
     `world` ranks at `seq_len` tokens: simulated in full at three lengths (`_count_setup`;
     `unit`: a valid length of `cfg`) and at the two `depths` (the model's own if it is not
     deeper), then fitted. Returns {name: count} (`_count`'s names). Exact for FLOPs,
     collectives and host copies at any length; the memory-bound bytes also need `seq_len`'s
-    L to be whole MLP tiles and loss chunks (else they are off by a part of one tile's)."""
+    L to be whole MLP tiles and loss chunks (else they are off by a part of one tile's).
+    `hf`: count the Hugging Face model of this config.json dict instead of upipe's own
+    (`upipe.planner.hf.HFStepSimulator`; `model` its shapes; the depths whole layer
+    patterns, `upipe.planner.plan.simulated_depths`)."""
+    from upipe.planner.hf import HFStepSimulator
+
     n_layers = model.n_layers
     depths = tuple(depths) if max(depths) < n_layers else (n_layers,)
     cfg, xs = _count_setup(cfg, world, seq_len, unit)
     runs = []
     for n in depths:
-        with StepSimulator(
-            cfg, world, model, depths=(n,), sample_loops=False, kernels=kernels
-        ) as sim:
+        kw = dict(depths=(n,), sample_loops=False, kernels=kernels)
+        job = (cfg, world, hf) if hf else (cfg, world, model)
+        with (HFStepSimulator if hf else StepSimulator)(*job, **kw) as sim:
             runs.append([_count(sim, S) for S in xs])
     out = {}
     for key in sorted({k for at_depth in runs for c in at_depth for k in c}):
@@ -326,6 +362,8 @@ def predict(counts: dict[str, int], hw: Hardware, kernel: str = "auto") -> dict[
         + counts["attention_backward_flops"] / rate.backward,
         "memory_bound": counts["memory_bytes"] / hw.hbm,
     }
+    if counts.get("deltanet_flops"):  # fla's Triton kernels at the dense GEMM rate (a bound)
+        t["deltanet"] = counts["deltanet_flops"] / hw.gemm
     compute = sum(t.values())
     comm = dict.fromkeys(("all_to_all", "fsdp", "p2p", "all_reduce"), 0.0)
     for key, nbytes in counts.items():
