@@ -23,8 +23,9 @@ chunks in reverse, each freeing its R. So at the start of iteration 3 one buffer
 backward has passed iteration 0, as the real chunks' would have been by then): the four
 chunks run then stand for chunks 0, 1, 2 and n - 1 forward and for n - 4 .. n - 1 backward,
 where the loop's peaks are (the last chunk forward; the first two chunks of the backward,
-before the rest is freed), with the same bytes live. `tests/test_plan_hybrid.py` compares
-the scan's peaks forward and backward with the full loop's, byte for byte.
+before the rest is freed), with the same bytes live.
+`tests/distributed/test_plan_hybrid.py` compares the scan's peaks forward and backward with
+the full loop's, byte for byte.
 
 Why the simulator substitutes the loops rather than the loops having a mode: the shortcut
 leaves real outputs unwritten or wrong, so no compute code may ever be left in it. Here it
