@@ -4,6 +4,7 @@ tests/runs marked slow, and the xdist grouping of the cluster tests."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +58,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    """Each xdist worker computes on its share of the cores (torch's default, one intra-op
+    thread per core in every worker, oversubscribes them: two workers on two cores ran
+    tests/runs/test_timing.py and tests/unit/test_memory_model.py in 83 s with the default,
+    67 s with one thread each, 2026-12-02). Spawned ranks set their own count
+    (`upipe.launch`)."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        workers = int(config.workerinput["workercount"])
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // workers))
+    _refuse_ungrouped_xdist(config)
+
+
+def _refuse_ungrouped_xdist(config):
     """pytest-xdist 3.8 groups tests by a suffix of their node ids, which pytest 9.2 no longer
     keeps (pytest-dev/pytest-xdist#1386): the cluster tests would spread silently over both
     workers (each starting its own clusters, competing for the cores). Refuse at once."""

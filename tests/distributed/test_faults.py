@@ -383,11 +383,11 @@ def test_metrics_file_torn_line_and_bad_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def short_timeout():
-    """Two ranks whose collectives time out after 3 s; the call waits up to 15 s for a peer's
+    """Two ranks whose collectives time out after 3 s; the call waits up to 60 s for a peer's
     own report after the first failure (a rank whose collective timed out reports after
-    3 s once it runs, but on a loaded 2-core machine it may start late: CI once saw rank 0
-    still running 5 s after its peer was killed)."""
-    with LocalCluster(2, timeout_s=120, pg_timeout_s=3, grace_s=15) as cluster:
+    3 s once it runs, but on a loaded 2-core machine it may be scheduled late: CI once saw
+    rank 0 still running 5 s after its peer was killed, and a machine at load 30 15 s)."""
+    with LocalCluster(2, timeout_s=300, pg_timeout_s=3, grace_s=60) as cluster:
         yield cluster
 
 
@@ -396,7 +396,7 @@ def test_killed_rank_is_named_at_once(short_timeout):
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as e:
         short_timeout.run(signal_one_rank, 1, signal.SIGKILL)
-    assert time.monotonic() - t0 < 20  # not the call's 120 s limit
+    assert time.monotonic() - t0 < 75  # the grace period at most, not the call's 300 s limit
     assert _one_line(e.value.summary).startswith("rank 1 was killed by SIGKILL (pid ")
     assert "; rank 0 raised RuntimeError: " in e.value.summary  # its own error: the peer left
 
@@ -413,7 +413,7 @@ def test_a_task_that_cannot_be_sent_raises_at_once(short_timeout):
         short_timeout.run(lambda rank, world_size: rank)
     with pytest.raises(TypeError, match="cannot send pid to the ranks"):
         short_timeout.run(pid, threading.Lock())
-    assert time.monotonic() - t0 < 10  # not the call's 120 s limit
+    assert time.monotonic() - t0 < 10  # not the call's 300 s limit
     assert len(short_timeout.run(pid)) == 2
 
 
@@ -423,7 +423,7 @@ def test_frozen_rank_is_named_after_the_timeout(short_timeout):
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as e:
         short_timeout.run(signal_one_rank, 1, signal.SIGSTOP)
-    assert 3 <= time.monotonic() - t0 < 30  # the 3 s timeout, not the call's 120 s limit
+    assert 3 <= time.monotonic() - t0 < 30  # the 3 s timeout, not the call's 300 s limit
     summary = _one_line(e.value.summary)
     assert summary.startswith("rank 1 is frozen: its process ") and "stopped (SIGSTOP" in summary
     assert "; rank 0 raised RuntimeError: " in summary and "Timed out" in summary

@@ -6,13 +6,13 @@ extrapolation by layer pattern, the shipped config, the refusals."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from upipe.integrations.hf_deltanet import torch_scan  # noqa: E402
 from upipe.memory.tracker import MemoryTracker  # noqa: E402
 from upipe.planner.sampled import sampled_loops  # noqa: E402
 from upipe.torch_private import TorchDispatchMode  # noqa: E402
@@ -32,7 +32,7 @@ TINY_NEXT = dict(
 def _torch_scan():
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    return inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)
+    return torch_scan(modeling_qwen3_next)
 
 
 class _Ops(TorchDispatchMode):

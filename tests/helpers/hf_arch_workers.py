@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from hf_workers import BASE_CONFIG, BATCH, PACKED_BOUNDS, SEQ, build_model, make_batch
+from hf_workers import BASE_CONFIG, BATCH, PACKED_BOUNDS, SEQ, build_model, make_batch, model_in
 
 # the aux loss weighed heavily, so that a wrong aux gradient shows in every router's gradient
 AUX = dict(router_aux_loss_coef=0.5)
 
 
-def router_reference(arch):
+def router_reference(arch, dtype=torch.float32):
     """The unmodified MoE model on one process with output_router_logits=True: its loss (the
-    token mean plus coef * aux), its aux loss, the parameter gradients, the state dict."""
-    model = build_model(arch, **AUX)
+    token mean plus coef * aux), its aux loss, the parameter gradients, the state dict
+    (float64: the same weights, computed in float64)."""
+    model = model_in(arch, dtype, **AUX)
     ids = make_batch()
     out = model(input_ids=ids, labels=ids, output_router_logits=True)
     out.loss.backward()

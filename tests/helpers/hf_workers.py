@@ -157,18 +157,19 @@ def make_batch(seed=0):
     return torch.randint(0, BASE_CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)
 
 
-def _model_in(arch, dtype):
-    """build_model(arch) in `dtype` (float64: transformers' grouped-GEMM experts take fp32 /
-    bf16 / fp16 only, so MoE experts run its eager loop there; the same function)."""
+def model_in(arch, dtype, **config):
+    """build_model(arch, **config) in `dtype` (float64: transformers' grouped-GEMM experts
+    take fp32 / bf16 / fp16 only, so MoE experts run its eager loop there; the same
+    function)."""
     if dtype == torch.float32:
-        return build_model(arch)
-    return build_model(arch, experts_implementation="eager").to(dtype)
+        return build_model(arch, **config)
+    return build_model(arch, experts_implementation="eager", **config).to(dtype)
 
 
 def reference(arch, dtype=torch.float32):
     """The unmodified model on one process: logits, loss, parameter gradients, state dict
     (float64: the same weights, computed in float64)."""
-    model = _model_in(arch, dtype)
+    model = model_in(arch, dtype)
     ids = make_batch()
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -266,7 +267,7 @@ def packed_reference(arch, bounds=PACKED_BOUNDS, dtype=torch.float32):
     state dict."""
     import torch.nn.functional as F
 
-    model = _model_in(arch, dtype)
+    model = model_in(arch, dtype)
     ids = make_batch()
     logits, loss_sum, count = [], 0.0, 0
     for a, b in itertools.pairwise(bounds):

@@ -36,6 +36,31 @@ from upipe.attention.deltanet import DeltaNetWeights, all_heads, check_stages, g
 
 SPLIT_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 FUSED_NAMES = ("in_proj_qkvz", "in_proj_ba")
+SCAN_NAME = "torch_chunk_gated_delta_rule"
+
+
+def torch_scan(hf_module):
+    """The plain Python function `torch_chunk_gated_delta_rule` of a Gated DeltaNet model's
+    module. transformers wraps it in its kernel dispatch (`functools.wraps`: unwrapped by
+    `inspect.unwrap`); from 5.25 that wrapper is also held by a `kernels` hub module, an
+    `nn.Module` whose `forward` calls the function it closes over (kernels 0.19,
+    `_create_func_module`), which has neither `__wrapped__` nor the function's globals (the
+    planner's cut-short scan patches `range` there: `upipe.planner.sampled`)."""
+    scan = getattr(hf_module, SCAN_NAME)
+    if isinstance(scan, nn.Module):
+        cells = type(scan).forward.__closure__ or ()
+        found = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)]
+        if len(found) != 1:
+            raise RuntimeError(
+                f"{hf_module.__name__}.{SCAN_NAME} is a {type(scan).__qualname__} module "
+                f"whose forward closes over {len(found)} functions, not 1: this transformers "
+                "wraps its scan in a way upipe does not know (tested: 5.24, 5.25)"
+            )
+        scan = found[0]
+    scan = inspect.unwrap(scan)
+    if not inspect.isfunction(scan) or scan.__name__ != SCAN_NAME:
+        raise RuntimeError(f"{hf_module.__name__}.{SCAN_NAME} unwraps to {scan!r}, not a function")
+    return scan
 
 
 def is_deltanet(module) -> bool:
@@ -89,7 +114,7 @@ class HFContextParallelDeltaNet(nn.Module):
         self.group, self.strategy, self.heads_per_stage = group, strategy, heads_per_stage
         self.scan_backend = None  # auto: fla on CUDA where installed (upipe.kernels_deltanet)
         hf_module = importlib.import_module(type(hf_layer).__module__)
-        self.reference = inspect.unwrap(hf_module.torch_chunk_gated_delta_rule)
+        self.reference = torch_scan(hf_module)
         self._state = state  # the model call's validated documents (set by the input hook)
 
     def extra_repr(self) -> str:
