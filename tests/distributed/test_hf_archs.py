@@ -83,9 +83,10 @@ def test_windowed_architectures_match_unmodified_model(clusters, arch, world):
     scale, (1 + w) norms, sandwich norms, a RoPE per layer type) and gpt-oss (sinks, biases,
     experts): the converted model's loss within 1e-6 (relative) of the unmodified model's in
     float64, its logits and every parameter gradient (summed over the ranks) within 1e-5 (or
-    OWN_ERROR_FACTOR x the unmodified fp32 model's own error, `_allowed`) -- under every strategy, with packed
-    documents (against the model run on each document alone), and with the memory features;
-    the window is not ignored (the model without it computes another loss)."""
+    OWN_ERROR_FACTOR x the unmodified fp32 model's own error, `_allowed`) -- under every
+    strategy, with packed documents (against the model run on each document alone), and with
+    the memory features; the window is not ignored (the model without it computes another
+    loss)."""
     state = _reference(arch)[3]
     cases = _cases(world)
     results = clusters(world).run(W.run_cases, arch, state, cases)
