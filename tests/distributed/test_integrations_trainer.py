@@ -29,8 +29,8 @@ COUNTING = ROOT / "tests" / "helpers" / "trainer_run.py"  # the example, countin
 ACCELERATE_CONFIG = ROOT / "examples" / "accelerate_fsdp2.yaml"
 TOL32 = TOL[torch.float32]
 STEPS = 4
-# upipe's memory features at tiles below the tokens per rank (4 ranks: about 64 per padded
-# row, 125 per packed one); transformers' checkpointing on as well (upipe takes it over); the
+# upipe's memory features at tiles below the tokens per rank (2 ranks: about 128 per padded
+# row, 250 per packed one); transformers' checkpointing on as well (upipe takes it over); the
 # reference's 4 documents per step in 2 micro-batches (the mixin averages DDP's gradients at
 # the second)
 FEATURES = ("--memory-features", "--mlp-tile", "24", "--loss-chunk", "40")
@@ -103,7 +103,7 @@ def reference(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def with_features(model_dir, tmp_path_factory):
-    """accelerate launch (the FSDP2 config; DDP on the CPU), 4 ranks, UPipe with every memory
+    """accelerate launch (the FSDP2 config; DDP on the CPU), 2 ranks, UPipe with every memory
     feature and transformers' checkpointing, 2 micro-batches per step: the Trainer (packed
     rows), then the SFTTrainer (padded rows); checkpoints at steps 2 and 4. Returns (runs,
     output dir, attention calls per layer and micro-batch)."""
@@ -111,7 +111,7 @@ def with_features(model_dir, tmp_path_factory):
     calls = out / "calls.json"
     runs = _train(
         model_dir, out, *FEATURES, "--trainer", "trainer", "sft", "--calls", str(calls),
-        nproc=4, launcher="accelerate", script=COUNTING,
+        nproc=2, launcher="accelerate", script=COUNTING,
     )  # fmt: skip
     return runs, out, json.loads(calls.read_text())
 
@@ -146,7 +146,7 @@ def test_losses_and_checkpoints_match_the_unmodified_model(model_dir, reference,
 
 @pytest.mark.slow
 def test_memory_features_match_the_unmodified_model(reference, with_features):
-    """The same with upipe's tiled MLP, chunked loss and checkpointing, 4 ranks, under
+    """The same with upipe's tiled MLP, chunked loss and checkpointing, 2 ranks, under
     accelerate launch, each step in 2 micro-batches (DDP's gradients averaged by the mixin at
     the second): the Trainer (packed rows; upipe's chunked loss), then the SFTTrainer
     with padded rows (TRL's collator) and TRL's own loss (its fused LM head on upipe's
@@ -160,12 +160,12 @@ def test_memory_features_match_the_unmodified_model(reference, with_features):
 
 @pytest.mark.slow
 def test_checkpoint_with_memory_features_resumes(model_dir, with_features, tmp_path):
-    """torchrun, 4 ranks, the Trainer with the features resumed from the step-2 checkpoint of
+    """torchrun, 2 ranks, the Trainer with the features resumed from the step-2 checkpoint of
     the uninterrupted run: steps 3 and 4 give its losses, and the same weights at step 4."""
     runs, out, _ = with_features
     (full, full_model) = runs["trainer"]
     resume = ("--resume-from-checkpoint", str(out / "trainer" / "checkpoint-2"))
-    resumed = _train(model_dir, tmp_path, *FEATURES, *resume, nproc=4)
+    resumed = _train(model_dir, tmp_path, *FEATURES, *resume, nproc=2)
     got, model = resumed["trainer"]
     for step in ("3", "4"):
         assert (
