@@ -36,7 +36,7 @@ def test_tiny_run(tmp_path):
         kv_heads=2,
         head_dim=8,
         repeats=1,
-        warmup=0,
+        warmup_rounds=0,
         json=str(tmp_path / "bench.json"),
         plot=str(tmp_path / "bench.png"),
     )
@@ -101,7 +101,7 @@ def test_layer_mode(tmp_path):
         kv_heads=2,
         head_dim=8,
         repeats=1,
-        warmup=0,
+        warmup_rounds=0,
         json="",
         plot="",
         layer=True,

@@ -230,7 +230,7 @@ def test_bench_layer_with_window_and_sinks():
     assert "add --layer" in validate(BenchConfig(**kw, sinks=True), 2)
     assert "causal" in validate(BenchConfig(**kw, layer=True, window=5, causal=False), 2)
     assert "give one of them" in validate(BenchConfig(**kw, layer=True, variants=True), 2)
-    cfg = BenchConfig(**kw, methods=("upipe", "ring"), repeats=1, warmup=0,
+    cfg = BenchConfig(**kw, methods=("upipe", "ring"), repeats=1, warmup_rounds=0,
                       layer=True, window=5, sinks=True, variants=True)  # fmt: skip
     doc = run_bench(cfg, quiet=True)
     rows = {r["method"]: r for r in doc["results"]}

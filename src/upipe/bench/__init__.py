@@ -56,7 +56,7 @@ class BenchConfig:
     """Causal masking, the same for every method."""
     repeats: int = 3
     """Timed rounds (each method once per round, interleaved); the median is reported."""
-    warmup: int = 1
+    warmup_rounds: int = 1
     """Untimed rounds before the timed ones."""
     seed: int = 0
     """Seed of the random inputs."""
@@ -83,30 +83,31 @@ class BenchConfig:
     """--layer with --window and/or --sinks: run every layer method also without them -- each
     variant of full causal, window, sinks, window + sinks that those flags name is a method
     of its own (its name says which), against its own float64 reference, in one run."""
-    model: bool = False
+    whole_model: bool = False
     """Benchmark a whole Hugging Face model's training step (`upipe.bench.model`): DeepSpeed
     ALST's attention against upipe's ulysses, upipe and the ALST drop-in, each also with
     ALST's tiled MLP, and each side's whole memory stack (alst-full, upipe-full, and
     upipe-train: upipe's own model); --methods from those (default: all of them). CPU, fp32."""
     vocab_size: int = 256
-    """--model: vocabulary V of the model (a real one: >= 32000)."""
+    """--whole-model: vocabulary V of the model (a real one: >= 32000)."""
     mlp_size: int = 0
-    """--model: MLP width (intermediate_size; 0: twice the width H * d)."""
+    """--whole-model: MLP width (intermediate_size; 0: twice the width H * d)."""
     layers: int = 2
-    """--model: decoder layers."""
-    checkpointing: bool = False
-    """--model: every method checkpoints its decoder layers (transformers' gradient
-    checkpointing; upipe's activation_checkpoint for upipe-full and upipe-train)."""
+    """--whole-model: decoder layers."""
+    activation_checkpoint: bool = False
+    """--whole-model: every method checkpoints its decoder layers (transformers' gradient
+    checkpointing; upipe's activation_checkpoint for upipe-full and upipe-train), as
+    `upipe train --activation-checkpoint`."""
     mlp_tile: int = 1024
-    """--model: tokens per MLP tile of alst-full, upipe-full and upipe-train."""
+    """--whole-model: tokens per MLP tile of alst-full, upipe-full and upipe-train."""
     loss_chunk: int = 1024
-    """--model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
+    """--whole-model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
     reference_up_to: int = 0
-    """Check the results against the float64 reference (--model: the unsharded model) at the
+    """Check the results against the float64 reference (--whole-model: the unsharded model) at the
     lengths up to this one only (0: at every length; the one-process reference costs about
     as much as a method's step, more in float64); unchecked rows show "-" as their error."""
     hybrid: bool = False
-    """--model: a hybrid Qwen3NextForCausalLM instead of a Llama -- Gated DeltaNet layers
+    """--whole-model: a hybrid Qwen3NextForCausalLM instead of a Llama -- Gated DeltaNet layers
     (--heads value heads over --kv-heads key heads of --head-dim) and, every fourth layer
     and the last, gated full attention (--heads query and --kv-heads kv heads), dense MLPs;
     only upipe's HF methods run (upipe, upipe-ulysses, upipe-full: ALST has no Gated
@@ -123,7 +124,7 @@ class DemoConfig(BenchConfig):
     """Methods, in table order (see `upipe bench --help`)."""
     repeats: int = 1
     """Timed rounds; the median is reported."""
-    warmup: int = 0
+    warmup_rounds: int = 0
     """Untimed rounds before the timed ones."""
     json: str = ""
     """Write the JSON document here ('' to skip)."""
@@ -142,15 +143,18 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
     problem = kv_problem(cfg.heads, cfg.kv_heads, query="--heads", kv="--kv-heads")
     if problem:
         return problem
-    least = 0 if cfg.model else 1  # --model: the tracked step's time is reported as well
-    if cfg.repeats < least or cfg.warmup < 0:
-        return f"--repeats must be >= {least} and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
+    least = 0 if cfg.whole_model else 1  # --whole-model: the tracked step's time is reported too
+    if cfg.repeats < least or cfg.warmup_rounds < 0:
+        return (
+            f"--repeats must be >= {least} and --warmup-rounds >= 0, got {cfg.repeats}, "
+            f"{cfg.warmup_rounds}"
+        )
     if cfg.attention_kernel != "auto" and cfg.device != "cuda":
         return f"--attention-kernel {cfg.attention_kernel} runs on CUDA (--device cuda)"
-    if cfg.model:
+    if cfg.whole_model:
         return _model_problem(cfg)
     if cfg.hybrid:
-        return "--hybrid is an option of --model (a hybrid model's training step)"
+        return "--hybrid is an option of --whole-model (a hybrid model's training step)"
     if cfg.window < 0:
         return f"--window must be >= 0 (0: none), got {cfg.window}"
     if cfg.reference_up_to < 0:
@@ -171,10 +175,10 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
 
 def _model_problem(cfg: BenchConfig) -> str | None:
     if cfg.layer or cfg.device != "cpu" or cfg.dtype != "float32":
-        return "--model runs on CPU ranks in float32, without --layer"
+        return "--whole-model runs on CPU ranks in float32, without --layer"
     unknown = set(model_config(cfg).methods) - set(MODEL_METHODS)
     if unknown:
-        return f"--model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
+        return f"--whole-model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
     least = {
         "vocab_size": 2,
         "mlp_size": 0,
@@ -264,7 +268,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     problem = validate(cfg, nproc)
     if problem:
         raise ValueError(problem)
-    if cfg.model:
+    if cfg.whole_model:
         from upipe.bench.model import run_model_bench
 
         return run_model_bench(model_config(cfg), quiet=quiet)
@@ -285,7 +289,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         dtype=cfg.dtype,
         causal=cfg.causal,
         device=cfg.device,
-        warmup=cfg.warmup,
+        warmup_rounds=cfg.warmup_rounds,
         repeats=cfg.repeats,
         seed=cfg.seed,
         methods=methods,
@@ -293,7 +297,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         variants=layer_variants(cfg),
         reference_up_to=cfg.reference_up_to,
     )
-    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
+    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup_rounds + cfg.repeats)
     bar = tqdm(total=steps, disable=not lead or quiet, desc="upipe bench", unit="step")
 
     def tick(text):

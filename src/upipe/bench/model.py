@@ -1,12 +1,13 @@
-"""`upipe bench --model`: one Hugging Face model's whole training step under each context-parallel
-attention, DeepSpeed ALST's beside upipe's, on identical inputs in the same processes.
+"""`upipe bench --whole-model`: one Hugging Face model's whole training step under each
+context-parallel attention, DeepSpeed ALST's beside upipe's, on identical inputs in the same
+processes.
 
 Legend: B batch, S full sequence, L = S / C local tokens, D = H*d model width, H query heads,
 G kv heads, d head dim, V vocabulary, C ranks.
 
 The model: a `LlamaForCausalLM` from a config (--layers layers, D = H*d, MLP width --mlp-size,
 default 2D, a vocabulary of --vocab-size), the same random weights on every rank; with
---checkpointing every method checkpoints its decoder layers. With --hybrid a
+--activation-checkpoint every method checkpoints its decoder layers. With --hybrid a
 `Qwen3NextForCausalLM` instead (`HYBRID_METHODS` only): Gated DeltaNet layers, H value
 heads over G key heads of d, and gated full attention (H query / G kv heads of d) as every
 fourth layer and the last, dense MLPs; its DeltaNet layers run through
@@ -32,7 +33,7 @@ for the reference loss and gradients (if S <= --reference-up-to, or always); eac
 then runs one step under `upipe.MemoryTracker` (per-rank peak of the tensors allocated in
 the step: activations, communication buffers, logits, gradients; the weights excluded; its
 time is kept too), its loss and its gradients summed over the ranks are compared with the
-reference, and `warmup` + `repeats` interleaved timed rounds follow (a round's time is the
+reference, and `warmup_rounds` + `repeats` interleaved timed rounds follow (a round's time is the
 slowest rank's; the median is reported).
 Ratios are against `alst` (else `alst-full`, else `upipe-ulysses`). One memory unit is one
 `[B, L, D]` fp32 tensor; "KiB/token" (from the second length on) is the growth of the
@@ -97,7 +98,7 @@ class ModelShape:
     mlp: int = 0
     """MLP width F (0: 2D)."""
     layers: int = 2
-    checkpointing: bool = False
+    activation_checkpoint: bool = False
     mlp_tile: int = 1024
     loss_chunk: int = 1024
     hybrid: bool = False
@@ -161,7 +162,7 @@ class ModelMethod:
         if self.name.endswith(TILED):
             for layer in model.model.layers:
                 layer.mlp.forward = _TiledForward(layer.mlp)
-        if shape.checkpointing:
+        if shape.activation_checkpoint:
             gradient_checkpointing(model)
         return model
 
@@ -433,9 +434,9 @@ def drive(run, cfg, methods, tick=lambda text: None, partial=lambda rows: None) 
             done = [report.result_row(S, n, measured[n], [], unit) for n in measured]
             partial(rows + done)
         rounds = {name: [] for name in names}
-        for i in range(cfg.warmup + cfg.repeats):
+        for i in range(cfg.warmup_rounds + cfg.repeats):
             per_rank = run(step_round, names)
-            if i >= cfg.warmup:
+            if i >= cfg.warmup_rounds:
                 for name in names:
                     rounds[name].append(max(r[name] for r in per_rank))
             tick(f"S={S}: round {i + 1}")
@@ -456,7 +457,7 @@ def model_shape(cfg) -> ModelShape:
         vocab=cfg.vocab_size,
         mlp=cfg.mlp_size,
         layers=cfg.layers,
-        checkpointing=cfg.checkpointing,
+        activation_checkpoint=cfg.activation_checkpoint,
         mlp_tile=cfg.mlp_tile,
         loss_chunk=cfg.loss_chunk,
         hybrid=cfg.hybrid,
@@ -464,7 +465,7 @@ def model_shape(cfg) -> ModelShape:
 
 
 def run_model_bench(cfg, *, quiet: bool = False) -> dict:
-    """`upipe bench --model` on `cfg.nproc` spawned CPU ranks: prints the table, writes the
+    """`upipe bench --whole-model` on `cfg.nproc` spawned CPU ranks: prints the table, writes the
     JSON and the plot; returns the document."""
     from tqdm import tqdm
 
@@ -480,8 +481,8 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
             say(f"skipping {m.name}: {reason}", flush=True)
         else:
             methods.append(m)
-    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
-    bar = tqdm(total=steps, disable=quiet, desc="upipe bench --model", unit="step")
+    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup_rounds + cfg.repeats)
+    bar = tqdm(total=steps, disable=quiet, desc="upipe bench --whole-model", unit="step")
 
     def tick(text):
         bar.set_postfix_str(text)
@@ -513,8 +514,8 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
     )
     header = (
         f"{cfg.nproc} ranks (gloo, CPU); {what}, MLP {shape.mlp or 2 * D}, "
-        f"vocabulary {cfg.vocab_size}, B={cfg.batch_size}, fp32, checkpointing "
-        f"{'on' if cfg.checkpointing else 'off'}{tiles}; one training step (forward, loss, "
+        f"vocabulary {cfg.vocab_size}, B={cfg.batch_size}, fp32, activation checkpointing "
+        f"{'on' if cfg.activation_checkpoint else 'off'}{tiles}; one training step (forward, loss, "
         f"backward); peak = per-rank max of tensors allocated in the step ([B,L,D] = one "
         f"[B, S/{cfg.nproc}, {D}] fp32 tensor); KiB/token = growth of that peak from the "
         f"previous length per token added to a rank; step s = the tracked step's time (the "

@@ -42,7 +42,7 @@ def _fmt(x, spec):
 
 def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | None) -> str:
     """One block per sequence length, then the skipped methods with their reasons. Rows of
-    `upipe bench --model` (with `add_growth`'s "kib_per_added_token") also show that and the
+    `upipe bench --whole-model` (with `add_growth`'s "kib_per_added_token") also show that and the
     loss's own error."""
     model = any("kib_per_added_token" in r for r in rows)
     width = max([20, *(len(r["method"]) + 2 for r in rows)])  # (--layer --variants: long)
@@ -87,7 +87,7 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
 
 
 def _seconds(row: dict) -> float | None:
-    """The median round's seconds, else (`upipe bench --model --repeats 0`) the tracked
+    """The median round's seconds, else (`upipe bench --whole-model --repeats 0`) the tracked
     step's."""
     if row["median_seconds"] is not None:
         return row["median_seconds"]

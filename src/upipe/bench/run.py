@@ -12,7 +12,7 @@ each method, on identical inputs cut into its own layout:
      allocated inside, inputs excluded) whose outputs and gradients are gathered to rank 0
      and compared with the reference (max|x - ref| / max|ref| over out, dq, dk, dv; with
      --layer over y, dx and the four weight gradients);
-then `warmup` + `repeats` rounds in which the methods take turns (interleaved, so drift
+then `warmup_rounds` + `repeats` rounds in which the methods take turns (interleaved, so drift
 hits all alike); a round's time is the slowest rank's, the result the median round.
 A method whose error is above the dtype's tolerance is flagged wrong and not ranked.
 
@@ -215,7 +215,7 @@ class Plan:
     dtype: str
     causal: bool
     device: str
-    warmup: int
+    warmup_rounds: int
     repeats: int
     seed: int
     methods: list[Method]
@@ -254,9 +254,9 @@ def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
                 measured[name] = res
             tick(f"S={S}: {name} memory+error")
         rounds = {name: [] for name in names}
-        for i in range(plan.warmup + plan.repeats):
+        for i in range(plan.warmup_rounds + plan.repeats):
             per_rank = run(step_round, names, plan.causal)
-            if i >= plan.warmup:
+            if i >= plan.warmup_rounds:
                 for name in names:
                     rounds[name].append(max(r[name] for r in per_rank))
             tick(f"S={S}: round {i + 1}")
@@ -274,7 +274,7 @@ def judge(rows: list[dict], dtype: str, reference_method: str | None) -> None:
     for S in sorted({r["seq_len"] for r in rows}):
         at = [r for r in rows if r["seq_len"] == S]
         for r in at:
-            # None: not checked (no reference at this length: `upipe bench --model`)
+            # None: not checked (no reference at this length: `upipe bench --whole-model`)
             r["correct"] = None if r["max_rel_err"] is None else r["max_rel_err"] <= tol
             r["tolerance"] = tol
             r["rank_memory"] = r["rank_time"] = None
