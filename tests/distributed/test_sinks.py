@@ -240,3 +240,9 @@ def test_bench_layer_with_window_and_sinks():
     for name, r in rows.items():
         assert ("dsinks" in r["rel_err"]) == name.endswith("sinks"), r
         assert r["correct"] and r["max_rel_err"] < 1e-5, r
+    # no Ulysses ran: the first of --methods is the baseline, each variant over its own
+    assert doc["baseline"] == "layer:upipe(U=2)"
+    for v in suffixes:
+        ring, base = rows["layer:ring" + v], rows["layer:upipe(U=2)" + v]
+        assert ring["baseline"] == base["method"]
+        assert ring["memory_over_baseline"] == ring["peak_units_BLD"] / base["peak_units_BLD"]

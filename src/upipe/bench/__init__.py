@@ -29,6 +29,10 @@ from upipe.kernels import KERNELS
 
 __all__ = ["BenchConfig", "DemoConfig", "PEERS", "run_bench"]
 
+# the ratios' default baseline: the op benchmark's Ulysses-like methods, the first that ran
+# (then --methods in order; `upipe.bench.run.baseline_candidates`)
+BASELINES = ("ulysses", "deepspeed-ulysses", "yunchang-ulysses")
+
 
 @dataclasses.dataclass(kw_only=True)
 class BenchConfig:
@@ -39,7 +43,13 @@ class BenchConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
     """Methods, in table order: ulysses, upipe (U = nproc), upipe:U, ring, usp (ring 2 x
     ulysses nproc/2), and the peers deepspeed-ulysses, yunchang-ulysses, yunchang-usp,
-    torch-cp. Ratios are against the first upipe entry."""
+    torch-cp."""
+    baseline: str = ""
+    """The method the ratios divide by: memory and time ratio = this method's / the
+    baseline's (< 1: leaner / faster than it), one of --methods (with --layer --variants each
+    variant against the baseline's same variant). Default: the run's Ulysses-like method,
+    the first that ran of ulysses, deepspeed-ulysses, yunchang-ulysses (--whole-model: alst,
+    alst-full, upipe-ulysses; with --hybrid upipe-ulysses), else the first of --methods."""
     heads: int = 16
     """Query heads H."""
     kv_heads: int = 4
@@ -170,15 +180,32 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
             _methods(cfg, spec, nproc)
         except ValueError as exc:
             return str(exc)
+    if cfg.baseline:
+        try:
+            wanted = {m.name for m in _methods(cfg, cfg.baseline, nproc)}
+        except ValueError as exc:
+            return f"--baseline: {exc}"
+        if not wanted & {m.name for spec in cfg.methods for m in _methods(cfg, spec, nproc)}:
+            return baseline_problem(cfg.baseline, cfg.methods)
     return None
+
+
+def baseline_problem(baseline: str, methods) -> str:
+    return (
+        f"--baseline {baseline} is not among --methods ({' '.join(methods)}): add it there "
+        "or name one of them"
+    )
 
 
 def _model_problem(cfg: BenchConfig) -> str | None:
     if cfg.layer or cfg.device != "cpu" or cfg.dtype != "float32":
         return "--whole-model runs on CPU ranks in float32, without --layer"
-    unknown = set(model_config(cfg).methods) - set(MODEL_METHODS)
+    methods = model_config(cfg).methods
+    unknown = set(methods) - set(MODEL_METHODS)
     if unknown:
         return f"--whole-model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
+    if cfg.baseline and cfg.baseline not in methods:
+        return baseline_problem(cfg.baseline, methods)
     least = {
         "vocab_size": 2,
         "mlp_size": 0,
@@ -253,7 +280,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     from tqdm import tqdm
 
     from upipe.bench import report
-    from upipe.bench.run import RESULTS, Plan, drive, in_process_runner, judge
+    from upipe.bench.run import RESULTS, Plan, baseline_candidates, drive, in_process_runner, judge
 
     under_torchrun = cfg.device == "cuda"
     if under_torchrun:
@@ -314,9 +341,16 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
             rows, failed = drive(cluster.run, plan, tick)
     bar.close()
     skipped.update(failed)
-    ours = [m.name for m in methods if m.name.removeprefix("layer:").startswith("upipe(")]
-    ref = ours[0] if ours else None
-    judge(rows, cfg.dtype, ref)
+    ran = {m.name: m for m in methods if m.name not in failed}
+    baseline, baselines = None, {}
+    for spec in baseline_candidates(cfg, BASELINES):
+        family = [m for m in _methods(cfg, spec, nproc) if m.name in ran]
+        if family:  # (with --layer one method per variant: each variant's own baseline)
+            of_variant = {getattr(m, "variant", None): m.name for m in family}
+            baselines = {n: of_variant.get(getattr(m, "variant", None)) for n, m in ran.items()}
+            baseline = family[0].name
+            break
+    judge(rows, cfg.dtype, baselines)
     header = (
         f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch_size} "
         f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}"
@@ -334,7 +368,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     doc = {
         "config": dataclasses.asdict(cfg),
         "machine": report.machine(cfg.device, nproc, threads, methods),
-        "reference_method": ref,
+        "baseline": baseline,
         "methods": {
             **{m.name: {"status": "ran", "version": m.version()} for m in methods},
             **{n: {"status": "skipped", "reason": why} for n, why in skipped.items()},
@@ -344,5 +378,5 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     if not lead:
         return doc
     title = header[: header.index("; peak")]
-    report.publish(doc, skipped, cfg, say, header=header, ref=ref, title=title)
+    report.publish(doc, skipped, cfg, say, header=header, title=title)
     return doc
