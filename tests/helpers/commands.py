@@ -130,30 +130,17 @@ class Node:
 def torchrun_nodes(node_args: list[list[str]], *, cwd) -> list[Node]:
     """One torchrun "node" per entry of `node_args`, each of one rank running `-m
     upipe.train` with that entry's options, meeting by c10d rendezvous on 127.0.0.1 (as
-    docs/train.md's multi-node section runs two machines; the node that reaches the
-    rendezvous first hosts its store, and the nodes' ranks follow their order of arrival)."""
+    docs/train.md's multi-node section runs two machines). The first node hosts the
+    rendezvous store, as the node at the endpoint's address does on real machines (on one
+    machine each would try; one that dies would take the others' store with it). The nodes'
+    ranks follow their order of arrival at the rendezvous, not their order here."""
     endpoint = f"127.0.0.1:{free_port()}"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(node_args)),
+              "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", endpoint]  # fmt: skip
     return [
-        Node(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                str(len(node_args)),
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                endpoint,
-                "-m",
-                "upipe.train",
-                *args,
-            ],
-            cwd,
-        )  # fmt: skip
-        for args in node_args
+        Node([*launch, "--rdzv-conf", f"is_host={int(i == 0)}", "-m", "upipe.train", *args], cwd)
+        for i, args in enumerate(node_args)
     ]
 
 
