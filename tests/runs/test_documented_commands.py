@@ -73,12 +73,15 @@ RUN = [c for c in documented_commands() if c.block is not None]
 
 
 def shrink(argv: tuple[str, ...]) -> list[str]:
-    """The command's words with `TINY`'s values, `ADDED`'s options and `KEEP_FIRST`'s lists."""
+    """The command's words with `TINY`'s values (a --resume: one step more than the run it
+    resumes), `ADDED`'s options and `KEEP_FIRST`'s lists."""
     if argv[0] == "upipe":
         head, command, words = ["upipe", argv[1]], argv[1], list(argv[2:])
     else:  # python benchmarks/X.py ...
         head, command, words = [sys.executable, str(ROOT / argv[1])], argv[1], list(argv[2:])
-    tiny, out, i = TINY.get(command, {}), [], 0
+    tiny, out, i = dict(TINY.get(command, {})), [], 0
+    if "--resume" in words:  # one step more than the run it resumes
+        tiny["--steps"] = str(int(tiny["--steps"]) + 1)
     named = set()
     while i < len(words):
         word = words[i]
