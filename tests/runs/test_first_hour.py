@@ -53,7 +53,7 @@ def planned(tmp_path_factory):
     """`upipe plan --device cpu` for the tiny model on 2 ranks with a small memory budget
     (so that the longest sequence is short): its JSON and the command it printed. (--dtype
     float32, train's default, is named: the plan's default is bfloat16 on every device, and
-    bf16 runs several times slower on these CPUs.)"""
+    this test's two runs took 33 s in bf16 against 17 s in fp32 on 2 shared cores.)"""
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     code = main(["plan", "--device", "cpu", "--model", "tiny", "--gpus", "2",
                  "--gpu-memory-gib", "0.02", "--reserve-gib", "0", "--granularity", "1024",
