@@ -62,7 +62,9 @@ def summarize(name: str, history: list[dict]) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's options (tests/unit/test_documented_commands.py parses the documented
+    commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--seq-len", type=int, default=16384)
@@ -79,7 +81,11 @@ def main() -> None:
     ap.add_argument("--precision-strategy", default="none")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--plot", metavar="PATH")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     base = TrainConfig(
         model=args.model,
         seq_len=args.seq_len,

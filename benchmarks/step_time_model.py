@@ -51,7 +51,8 @@ class Hardware:
 M = dict(blocks=32, D=4096, H=32, G=8, d=128, F=14336, V=128256)  # Llama3-8B
 C, U, E = 8, 8, 2  # GPUs (= context-parallel group = FSDP group), heads per stage, bf16 bytes
 FWD_PASSES = 2  # per-block checkpointing: the forward and its recomputation in backward
-AGREEMENTS = {"ulysses": 2, "upipe": 1}  # per forward call (module + op; tests/test_steady_state)
+# per forward call (module + op; tests/distributed/test_steady_state)
+AGREEMENTS = {"ulysses": 2, "upipe": 1}
 LOSS_BYTES = 28  # per logit: .float() 2+4, log_softmax 4+4, its backward 4+4, to bf16 4+2
 ADAM_BYTES = 28  # per local parameter: fp32 param, grad, m, v read (16); param, m, v written
 SEQS = {"128K": 2**17, "1M": 2**20}

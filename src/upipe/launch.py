@@ -40,6 +40,23 @@ POLL_S = 0.5  # how often a call looks for ranks that died without reporting
 STOPPED = ("T", "t")  # process states of /proc/<pid>/stat: stopped by a signal, by a tracer
 
 
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Processes started inside the block ignore SIGINT from their first instruction (an
+    ignored signal stays ignored across exec, and Python then installs no Ctrl-C handler).
+    Ctrl-C in a terminal reaches every process of the foreground group: the process that
+    started them alone handles it and stops them, instead of each printing a traceback.
+    (Off the main thread, where no handler can be set, the block changes nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def die_with_parent(parent_pid: int | None = None) -> None:
     """End this process as soon as its parent (`parent_pid`, default: the current one) ends,
     however it ends, kill -9 included: on Linux the kernel sends this process SIGKILL
@@ -251,8 +268,9 @@ class LocalCluster:
                 )
                 for r in range(self.world_size)
             ]
-            for p in self._procs:
-                p.start()
+            with children_ignore_sigint():  # Ctrl-C stops them through this process
+                for p in self._procs:
+                    p.start()
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -36,16 +36,16 @@ def test_tiny_run(tmp_path):
         kv_heads=2,
         head_dim=8,
         repeats=1,
-        warmup=0,
+        warmup_rounds=0,
         json=str(tmp_path / "bench.json"),
         plot=str(tmp_path / "bench.png"),
     )
     doc = run_bench(cfg, extra_methods=[WrongUlysses()], quiet=True)
     assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(doc))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"config", "machine", "methods", "results", "reference_method"} <= set(doc)
+    assert {"config", "machine", "methods", "results", "baseline"} <= set(doc)
     assert doc["machine"]["torch"] and doc["machine"]["backend"] == "gloo"
-    assert doc["reference_method"] == "upipe(U=2)"
+    assert doc["baseline"] == "ulysses"  # the default: the Ulysses-like method
 
     ours = ["ulysses", "upipe(U=2)", "upipe(U=4)", "ring", "usp"]
     for name in [*ours, "wrong-ulysses"]:
@@ -67,12 +67,22 @@ def test_tiny_run(tmp_path):
         if r["method"] == "wrong-ulysses":
             assert not r["correct"] and r["rel_err"]["out"] > 0.1
             assert r["rank_memory"] is None and r["rank_time"] is None
-            assert r["ref_over_this_memory"] is None
+            assert r["memory_over_baseline"] is None
         else:
             assert r["correct"] and r["max_rel_err"] < 1e-5, r
             assert r["rank_memory"] in range(1, 6) and r["rank_time"] in range(1, 6)
-        if r["method"] == "upipe(U=2)":
-            assert r["ref_over_this_memory"] == r["ref_over_this_time"] == 1.0
+            assert r["baseline"] == "ulysses"
+        if r["method"] == "ulysses":
+            assert r["memory_over_baseline"] == r["time_over_baseline"] == 1.0
+    # this method / the baseline: below 1 where it holds less
+    at = {(r["seq_len"], r["method"]): r for r in rows}
+    upipe_row, ulysses_row = at[128, "upipe(U=2)"], at[128, "ulysses"]
+    assert upipe_row["memory_over_baseline"] == (
+        upipe_row["peak_units_BLD"] / ulysses_row["peak_units_BLD"]
+    )
+    assert upipe_row["time_over_baseline"] == (
+        upipe_row["median_seconds"] / ulysses_row["median_seconds"]
+    )
 
 
 class WrongLayer(UpipeLayer):
@@ -101,13 +111,13 @@ def test_layer_mode(tmp_path):
         kv_heads=2,
         head_dim=8,
         repeats=1,
-        warmup=0,
+        warmup_rounds=0,
         json="",
         plot="",
         layer=True,
     )
     doc = run_bench(cfg, extra_methods=[WrongLayer()], quiet=True)
-    assert doc["reference_method"] == "layer:upipe(U=2)"
+    assert doc["baseline"] == "layer:ulysses"
     assert "without --layer" in doc["methods"]["deepspeed-ulysses"]["reason"]
     assert "1-D group" in doc["methods"]["layer:usp"]["reason"]
     unchecked = [r for r in doc["results"] if r["seq_len"] == 128]
@@ -149,7 +159,18 @@ def test_judge_ranks_only_correct_methods():
     assert not wrong["correct"] and wrong["rank_memory"] is None and wrong["rank_time"] is None
     assert upipe_row["rank_memory"] == 1 and peer["rank_memory"] == 2
     assert peer["rank_time"] == 1 and upipe_row["rank_time"] == 2
-    assert peer["ref_over_this_memory"] == 0.5 and peer["ref_over_this_time"] == 2.0
+    # this / baseline: the peer holds twice the memory in half the time
+    assert peer["memory_over_baseline"] == 2.0 and peer["time_over_baseline"] == 0.5
+    assert wrong["memory_over_baseline"] is None and upipe_row["memory_over_baseline"] == 1.0
+
+
+def test_the_ratios_line_names_the_baseline():
+    from upipe.bench.report import ratios_line
+
+    line = ratios_line("ulysses", "", False)
+    assert line.startswith("mem ratio, time ratio = this method / ulysses (< 1: leaner / ")
+    assert ratios_line(None, "ring", False) == "no ratios: the baseline ring did not run"
+    assert "each variant over its own variant" in ratios_line("layer:ulysses", "", True)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +179,15 @@ def test_judge_ranks_only_correct_methods():
         (["--seq-lens", "100"], "multiples of 2 * nproc"),
         (["--methods", "megatron"], "unknown method 'megatron'"),
         (["--kv-heads", "3"], "must divide --heads"),
+        (
+            ["--methods", "ulysses", "upipe", "--baseline", "ring"],
+            "--baseline ring is not among --methods (ulysses upipe): add it there or name one",
+        ),
+        (["--baseline", "megatron"], "--baseline: unknown method 'megatron'"),
+        (
+            ["--whole-model", "--methods", "upipe", "--baseline", "alst"],
+            "--baseline alst is not among --methods (upipe)",
+        ),
     ],
 )
 def test_cli_rejects_bad_options(capsys, argv, message):

@@ -1,5 +1,5 @@
-"""`upipe bench --model` (upipe.bench.model): one Hugging Face model's training step under
-DeepSpeed ALST's attention and upipe's, at a small size on the test session's 2 ranks."""
+"""`upipe bench --whole-model` (upipe.bench.model): one Hugging Face model's training step
+under DeepSpeed ALST's attention and upipe's, at a small size on the test session's 2 ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from upipe.bench.recipes import FULL_METHODS
 from upipe.bench.report import add_growth, table
 from upipe.bench.run import judge
 
-SMALL = dict(nproc=2, seq_lens=(512,), heads=8, kv_heads=2, head_dim=16, repeats=1, warmup=0)
+SMALL = dict(nproc=2, seq_lens=(512,), heads=8, kv_heads=2, head_dim=16, repeats=1, warmup_rounds=0)
 # the whole recipes at two lengths: a vocabulary above the width, tiles and chunks of 64 of a
 # rank's 128 / 256 tokens, checkpointing on
 FULL = dict(
@@ -22,7 +22,7 @@ FULL = dict(
     methods=FULL_METHODS,
     vocab_size=320,
     mlp_size=96,
-    checkpointing=True,
+    activation_checkpoint=True,
     mlp_tile=64,
     loss_chunk=64,
 )
@@ -31,7 +31,7 @@ FULL = dict(
 @pytest.mark.slow
 def test_every_method_agrees_with_the_unsharded_model(clusters):
     pytest.importorskip("deepspeed")  # ALST's attention and tiled MLP
-    cfg = model_config(BenchConfig(model=True, **SMALL))
+    cfg = model_config(BenchConfig(whole_model=True, **SMALL))
     assert cfg.methods == MODEL_METHODS
     rows = drive(clusters(2).run, cfg, [ModelMethod(n) for n in cfg.methods])
     judge(rows, "float32", "alst")
@@ -50,7 +50,7 @@ def test_whole_recipes_agree_with_the_unsharded_model(clusters):
     """alst-full (ALST's attention, TiledMLP, TiledFusedLogitsLoss, HF checkpointing),
     upipe-full (apply_context_parallel's stack) and upipe-train (upipe's own model)."""
     pytest.importorskip("deepspeed")
-    cfg = BenchConfig(model=True, **FULL)
+    cfg = BenchConfig(whole_model=True, **FULL)
     assert validate(cfg, 2) is None
     rows = drive(clusters(2).run, cfg, [ModelMethod(n) for n in cfg.methods])
     judge(rows, "float32", "alst-full")
@@ -66,7 +66,7 @@ def test_whole_recipes_agree_with_the_unsharded_model(clusters):
         grown = max(at[512, m]["peak_bytes_per_rank"]) - max(at[256, m]["peak_bytes_per_rank"])
         assert at[512, m]["kib_per_added_token"] == pytest.approx(grown / 1024 / 128)
         assert at[512, m]["kib_per_added_token"] > 0
-    assert "KiB/token" in table(rows, {}, header="h", ref="alst-full")
+    assert "KiB/token" in table(rows, {}, header="h", ratios="r")
     # upipe's stack holds less than ALST's at each length (fused staged attention, no
     # normalised [L, D] before the loss)
     for S in (256, 512):
@@ -91,11 +91,11 @@ def test_growth_is_the_peak_difference_over_the_tokens_added():
 
 
 def test_model_options_are_checked():
-    assert "--model runs on CPU ranks in float32" in validate(
-        BenchConfig(model=True, layer=True, **SMALL), 2
+    assert "--whole-model runs on CPU ranks in float32" in validate(
+        BenchConfig(whole_model=True, layer=True, **SMALL), 2
     )
-    cfg = dataclasses.replace(BenchConfig(model=True, **SMALL), methods=("upipe", "ring"))
-    assert "--model: unknown methods ['ring']" in validate(cfg, 2)
+    cfg = dataclasses.replace(BenchConfig(whole_model=True, **SMALL), methods=("upipe", "ring"))
+    assert "--whole-model: unknown methods ['ring']" in validate(cfg, 2)
 
     for option, value, message in (
         ("vocab_size", 1, "--vocab-size must be >= 2, got 1"),
@@ -104,7 +104,7 @@ def test_model_options_are_checked():
         ("mlp_tile", 0, "--mlp-tile must be >= 1, got 0"),
         ("loss_chunk", -4, "--loss-chunk must be >= 1, got -4"),
     ):
-        bad = BenchConfig(model=True, **{**FULL, option: value})
+        bad = BenchConfig(whole_model=True, **{**FULL, option: value})
         assert validate(bad, 2) == message
         with pytest.raises(ValueError, match=message):  # before any rank is spawned
             run_bench(bad, quiet=True)
@@ -113,7 +113,7 @@ def test_model_options_are_checked():
 def test_hybrid_model_agrees_with_the_unsharded_model(clusters):
     """--hybrid: a Qwen3-Next (a Gated DeltaNet layer, then gated full attention) under
     apply_context_parallel's methods; ALST's are skipped with the reason."""
-    cfg = BenchConfig(model=True, hybrid=True, **{**FULL, "seq_lens": (256,), "layers": 2,
+    cfg = BenchConfig(whole_model=True, hybrid=True, **{**FULL, "seq_lens": (256,), "layers": 2,
                       "methods": ("upipe-ulysses", "upipe", "upipe-full", "alst")})  # fmt: skip
     assert validate(cfg, 2) is None
     assert "no Gated DeltaNet" in ModelMethod("alst").problem(H=8, G=2, C=2, hybrid=True)
@@ -123,5 +123,5 @@ def test_hybrid_model_agrees_with_the_unsharded_model(clusters):
     for r in rows:  # loss and summed gradients vs one process: fp32 rounding
         assert r["correct"] and r["max_rel_err"] < 1e-5, r
     assert validate(BenchConfig(hybrid=True, **SMALL), 2) == (
-        "--hybrid is an option of --model (a hybrid model's training step)"
+        "--hybrid is an option of --whole-model (a hybrid model's training step)"
     )

@@ -103,7 +103,7 @@ def test_options_move_the_peak_as_their_formulas_say():
 def test_shipped_configs_load(name):
     """Each shipped config of a dense model loads, becomes transformers' config and model
     (one layer, on the meta device), whose parameters are those of its shapes (plus Qwen2's
-    q/k/v biases). (The hybrid's: tests/test_plan_hybrid.py.)"""
+    q/k/v biases). (The hybrid's: tests/distributed/test_plan_hybrid.py.)"""
     import transformers
 
     hf = load_hf_config(name)

@@ -230,7 +230,7 @@ def test_bench_layer_with_window_and_sinks():
     assert "add --layer" in validate(BenchConfig(**kw, sinks=True), 2)
     assert "causal" in validate(BenchConfig(**kw, layer=True, window=5, causal=False), 2)
     assert "give one of them" in validate(BenchConfig(**kw, layer=True, variants=True), 2)
-    cfg = BenchConfig(**kw, methods=("upipe", "ring"), repeats=1, warmup=0,
+    cfg = BenchConfig(**kw, methods=("upipe", "ring"), repeats=1, warmup_rounds=0,
                       layer=True, window=5, sinks=True, variants=True)  # fmt: skip
     doc = run_bench(cfg, quiet=True)
     rows = {r["method"]: r for r in doc["results"]}
@@ -240,3 +240,9 @@ def test_bench_layer_with_window_and_sinks():
     for name, r in rows.items():
         assert ("dsinks" in r["rel_err"]) == name.endswith("sinks"), r
         assert r["correct"] and r["max_rel_err"] < 1e-5, r
+    # no Ulysses ran: the first of --methods is the baseline, each variant over its own
+    assert doc["baseline"] == "layer:upipe(U=2)"
+    for v in suffixes:
+        ring, base = rows["layer:ring" + v], rows["layer:upipe(U=2)" + v]
+        assert ring["baseline"] == base["method"]
+        assert ring["memory_over_baseline"] == ring["peak_units_BLD"] / base["peak_units_BLD"]

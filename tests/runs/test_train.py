@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from commands import stop_midway, upipe
 from tolerances import grad_errors, rel_err
 from train_workers import CORPUS, small_config, train_and_save, train_steps
 
@@ -201,17 +199,11 @@ def test_validation_messages(kw, world, message):
     assert message in validate(small_config(**kw), world)
 
 
-def _upipe(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "upipe", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
 @pytest.mark.slow
 def test_cli_demo_path_small(tmp_path):
     pytest.importorskip("matplotlib")  # (its PNG is checked)
     metrics, plot = tmp_path / "m.jsonl", tmp_path / "loss.png"
-    res = _upipe(
+    res = upipe(
         "train", "--nproc", "2", "--seq-len", "256", "--steps", "3", "--data",
         small_config().data, "--metrics-file", str(metrics), "--plot", str(plot),
     )  # fmt: skip
@@ -225,10 +217,10 @@ def test_cli_demo_path_small(tmp_path):
 
 @pytest.mark.slow
 def test_cli_bad_option_is_a_message():
-    res = _upipe("train", "--nproc", "4", "--master-dtype", "bfloat16")
+    res = upipe("train", "--nproc", "4", "--master-dtype", "bfloat16")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "--master-dtype bfloat16 is less precise than the compute --dtype" in res.stderr
-    res = _upipe("train", "--data", "/nonexistent/corpus")
+    res = upipe("train", "--data", "/nonexistent/corpus")
     assert res.returncode == 2 and "neither a file nor a directory" in res.stderr
 
 
@@ -266,78 +258,16 @@ def test_banner_says_where_the_ulysses_groups_are():
 )
 def test_a_stopped_run_says_so_and_leaks_nothing(tmp_path, sig, code, by):
     """Ctrl-C or SIGTERM during training: one line naming the signal and the resume, exit
-    128 + the signal, the ranks gone, no traceback and no leaked-semaphore warning."""
-    import signal
-    import time
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "upipe", "train", "--steps", "500", "--seq-len", "512",
-         "--nproc", "2", "--plot", "", "--data", CORPUS, "--checkpoint-dir", "ck"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        # as in a terminal: a shell's background job (CI's, say) starts with SIGINT ignored,
-        # which the child would inherit, and Python then installs no Ctrl-C handler
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        seen = ""
-        while "loss=" not in seen and time.monotonic() < deadline:  # the first step is done
-            seen += proc.stderr.read(1)
-        proc.send_signal(getattr(signal, sig))
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == code, err[-2000:]
+    128 + the signal, the ranks gone, no traceback and no leaked-semaphore warning. (Ctrl-C
+    as a terminal sends it: to the whole process group, ranks included.)"""
+    args = ["train", "--steps", "500", "--seq-len", "512", "--nproc", "2", "--plot", "",
+            "--data", CORPUS, "--checkpoint-dir", "ck"]  # fmt: skip
+    # after "loss=": the first step is done
+    got, _, err = stop_midway(args, after="loss=", sig=sig, group=sig == "SIGINT", cwd=tmp_path)
+    assert got == code, err[-2000:]
     said = f"upipe train: stopped by {by}: the ranks were stopped; --resume continues from ck"
     assert said in err, err[-2000:]
     assert "Traceback" not in err and "leaked" not in err, err[-2000:]
-
-
-@pytest.mark.slow
-def test_a_dead_node_is_one_line_naming_it(tmp_path):
-    """Two torchrun "nodes" on this machine (static rendezvous, one rank each): rank 0
-    prints the banner with node placement; node 1's torchrun is killed after the first
-    step: node 0 ends with one line naming node 1 and rank 1, its traceback in
-    upipe-train-rank0.log, no gloo traceback on screen."""
-    import signal
-    import socket
-    import time
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    def node(n):
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-             str(n), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-             str(port), "-m", "upipe.train", "--steps", "2000", "--seq-len", "128", "--plot",
-             "", "--data", CORPUS, "--timeout", "120"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-            start_new_session=True,
-        )  # fmt: skip
-
-    nodes = [node(0), node(1)]
-    try:
-        deadline, seen = time.monotonic() + 240, ""
-        while "loss=" not in seen and time.monotonic() < deadline:  # a step is done
-            seen += nodes[0].stderr.read(1)
-        assert "loss=" in seen, seen[-2000:]
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1: its torchrun and its rank
-        out, err = nodes[0].communicate(timeout=180)
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    # rank 0's banner, with the node placement (once, before the first step)
-    assert out.count("parameters), strategy upipe, 2 CPU ranks on 2 node(s) of 1") == 1, out
-    assert "ranks is ACROSS a node" in out, out
-    line = next(ln for ln in err.splitlines() if "lost its peers" in ln)
-    assert "rank 0 (node 0," in line and "node 1 (" in line and "rank 1)" in line, line
-    assert nodes[0].returncode != 0
-    assert "Connection" not in err and "pair.cc" not in err, err[-3000:]  # no gloo traceback
-    log = (tmp_path / "upipe-train-rank0.log").read_text()
-    assert "Traceback" in log and "RuntimeError" in log
 
 
 def test_the_lost_peer_is_named_by_its_address():

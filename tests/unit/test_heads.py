@@ -83,7 +83,7 @@ def test_planner_candidates():
 
 
 def test_bench_model_methods_use_each_sides_rule():
-    """`upipe bench --model`: upipe's methods take any head counts the library takes (uneven
+    """`upipe bench --whole-model`: upipe's methods take any head counts the library takes (uneven
     splits included); ALST's need its even split, the drop-in its contiguous stages."""
     from upipe.bench.model import ModelMethod
 

@@ -11,6 +11,7 @@ import pytest
 
 from upipe.cli import build_parser, main
 from upipe.cli.options import config_from_args
+from upipe.cli.stops import Terminated
 from upipe.planner import plan as planner
 from upipe.planner.command import train_command
 from upipe.planner.plan import PlanConfig, resolved
@@ -51,9 +52,13 @@ def test_cpu_command_trains_the_candidate():
     assert config_from_args(TrainConfig, ns) == TrainConfig(**kw, seq_len=4096, device="cpu")
 
 
-def test_a_stopped_plan_leaves_its_rows(monkeypatch, tmp_path, capsys):
-    """Ctrl-C after one finished candidate: exit 130, its line printed, the JSON holding it
-    (finished: false); the JSON is rewritten as each candidate finishes."""
+@pytest.mark.parametrize(
+    "error,code,by", [(KeyboardInterrupt, 130, "Ctrl-C (SIGINT)"), (Terminated, 143, "SIGTERM")]
+)
+def test_a_stopped_plan_leaves_its_rows(monkeypatch, tmp_path, capsys, error, code, by):
+    """Ctrl-C (SIGTERM) after one finished candidate: exit 130 (143), one line saying so,
+    the finished candidate's line printed, the JSON holding it (finished: false); the JSON is
+    rewritten as each candidate finishes."""
     written = []
 
     def search(pc, progress):
@@ -63,14 +68,16 @@ def test_a_stopped_plan_leaves_its_rows(monkeypatch, tmp_path, capsys):
         res["strategies"][0].update(max_seq_len=65536)
         progress(res["strategies"][0], res)
         written.append(json.loads((tmp_path / "p.json").read_text()))
-        raise KeyboardInterrupt
+        raise error
 
     monkeypatch.setattr(planner, "plan", search)
-    assert main(["plan", "--json", str(tmp_path / "p.json")]) == 130
+    assert main(["plan", "--json", str(tmp_path / "p.json")]) == code
     out = json.loads((tmp_path / "p.json").read_text())
     assert written == [out] and out["finished"] is False
     assert (
         out["strategies"][0]["max_seq_len"] == 65536 and "max_seq_len" not in out["strategies"][1]
     )
     captured = capsys.readouterr()
-    assert "a: 65,536 tokens" in captured.out and "stopped by Ctrl-C" in captured.err
+    assert "a: 65,536 tokens" in captured.out and "Traceback" not in captured.err
+    said = f"upipe plan: stopped by {by} after 1 candidate; partial results: {tmp_path}/p.json"
+    assert said in captured.err.splitlines(), captured.err

@@ -29,6 +29,10 @@ from upipe.kernels import KERNELS
 
 __all__ = ["BenchConfig", "DemoConfig", "PEERS", "run_bench"]
 
+# the ratios' default baseline: the op benchmark's Ulysses-like methods, the first that ran
+# (then --methods in order; `upipe.bench.run.baseline_candidates`)
+BASELINES = ("ulysses", "deepspeed-ulysses", "yunchang-ulysses")
+
 
 @dataclasses.dataclass(kw_only=True)
 class BenchConfig:
@@ -39,7 +43,13 @@ class BenchConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
     """Methods, in table order: ulysses, upipe (U = nproc), upipe:U, ring, usp (ring 2 x
     ulysses nproc/2), and the peers deepspeed-ulysses, yunchang-ulysses, yunchang-usp,
-    torch-cp. Ratios are against the first upipe entry."""
+    torch-cp."""
+    baseline: str = ""
+    """The method the ratios divide by: memory and time ratio = this method's / the
+    baseline's (< 1: leaner / faster than it), one of --methods (with --layer --variants each
+    variant against the baseline's same variant). Default: the run's Ulysses-like method,
+    the first that ran of ulysses, deepspeed-ulysses, yunchang-ulysses (--whole-model: alst,
+    alst-full, upipe-ulysses; with --hybrid upipe-ulysses), else the first of --methods."""
     heads: int = 16
     """Query heads H."""
     kv_heads: int = 4
@@ -56,7 +66,7 @@ class BenchConfig:
     """Causal masking, the same for every method."""
     repeats: int = 3
     """Timed rounds (each method once per round, interleaved); the median is reported."""
-    warmup: int = 1
+    warmup_rounds: int = 1
     """Untimed rounds before the timed ones."""
     seed: int = 0
     """Seed of the random inputs."""
@@ -83,30 +93,31 @@ class BenchConfig:
     """--layer with --window and/or --sinks: run every layer method also without them -- each
     variant of full causal, window, sinks, window + sinks that those flags name is a method
     of its own (its name says which), against its own float64 reference, in one run."""
-    model: bool = False
+    whole_model: bool = False
     """Benchmark a whole Hugging Face model's training step (`upipe.bench.model`): DeepSpeed
     ALST's attention against upipe's ulysses, upipe and the ALST drop-in, each also with
     ALST's tiled MLP, and each side's whole memory stack (alst-full, upipe-full, and
     upipe-train: upipe's own model); --methods from those (default: all of them). CPU, fp32."""
     vocab_size: int = 256
-    """--model: vocabulary V of the model (a real one: >= 32000)."""
+    """--whole-model: vocabulary V of the model (a real one: >= 32000)."""
     mlp_size: int = 0
-    """--model: MLP width (intermediate_size; 0: twice the width H * d)."""
+    """--whole-model: MLP width (intermediate_size; 0: twice the width H * d)."""
     layers: int = 2
-    """--model: decoder layers."""
-    checkpointing: bool = False
-    """--model: every method checkpoints its decoder layers (transformers' gradient
-    checkpointing; upipe's activation_checkpoint for upipe-full and upipe-train)."""
+    """--whole-model: decoder layers."""
+    activation_checkpoint: bool = False
+    """--whole-model: every method checkpoints its decoder layers (transformers' gradient
+    checkpointing; upipe's activation_checkpoint for upipe-full and upipe-train), as
+    `upipe train --activation-checkpoint`."""
     mlp_tile: int = 1024
-    """--model: tokens per MLP tile of alst-full, upipe-full and upipe-train."""
+    """--whole-model: tokens per MLP tile of alst-full, upipe-full and upipe-train."""
     loss_chunk: int = 1024
-    """--model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
+    """--whole-model: tokens per loss chunk of alst-full, upipe-full and upipe-train."""
     reference_up_to: int = 0
-    """Check the results against the float64 reference (--model: the unsharded model) at the
+    """Check the results against the float64 reference (--whole-model: the unsharded model) at the
     lengths up to this one only (0: at every length; the one-process reference costs about
     as much as a method's step, more in float64); unchecked rows show "-" as their error."""
     hybrid: bool = False
-    """--model: a hybrid Qwen3NextForCausalLM instead of a Llama -- Gated DeltaNet layers
+    """--whole-model: a hybrid Qwen3NextForCausalLM instead of a Llama -- Gated DeltaNet layers
     (--heads value heads over --kv-heads key heads of --head-dim) and, every fourth layer
     and the last, gated full attention (--heads query and --kv-heads kv heads), dense MLPs;
     only upipe's HF methods run (upipe, upipe-ulysses, upipe-full: ALST has no Gated
@@ -123,7 +134,7 @@ class DemoConfig(BenchConfig):
     """Methods, in table order (see `upipe bench --help`)."""
     repeats: int = 1
     """Timed rounds; the median is reported."""
-    warmup: int = 0
+    warmup_rounds: int = 0
     """Untimed rounds before the timed ones."""
     json: str = ""
     """Write the JSON document here ('' to skip)."""
@@ -142,15 +153,18 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
     problem = kv_problem(cfg.heads, cfg.kv_heads, query="--heads", kv="--kv-heads")
     if problem:
         return problem
-    least = 0 if cfg.model else 1  # --model: the tracked step's time is reported as well
-    if cfg.repeats < least or cfg.warmup < 0:
-        return f"--repeats must be >= {least} and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}"
+    least = 0 if cfg.whole_model else 1  # --whole-model: the tracked step's time is reported too
+    if cfg.repeats < least or cfg.warmup_rounds < 0:
+        return (
+            f"--repeats must be >= {least} and --warmup-rounds >= 0, got {cfg.repeats}, "
+            f"{cfg.warmup_rounds}"
+        )
     if cfg.attention_kernel != "auto" and cfg.device != "cuda":
         return f"--attention-kernel {cfg.attention_kernel} runs on CUDA (--device cuda)"
-    if cfg.model:
+    if cfg.whole_model:
         return _model_problem(cfg)
     if cfg.hybrid:
-        return "--hybrid is an option of --model (a hybrid model's training step)"
+        return "--hybrid is an option of --whole-model (a hybrid model's training step)"
     if cfg.window < 0:
         return f"--window must be >= 0 (0: none), got {cfg.window}"
     if cfg.reference_up_to < 0:
@@ -166,15 +180,32 @@ def validate(cfg: BenchConfig, nproc: int) -> str | None:
             _methods(cfg, spec, nproc)
         except ValueError as exc:
             return str(exc)
+    if cfg.baseline:
+        try:
+            wanted = {m.name for m in _methods(cfg, cfg.baseline, nproc)}
+        except ValueError as exc:
+            return f"--baseline: {exc}"
+        if not wanted & {m.name for spec in cfg.methods for m in _methods(cfg, spec, nproc)}:
+            return baseline_problem(cfg.baseline, cfg.methods)
     return None
+
+
+def baseline_problem(baseline: str, methods) -> str:
+    return (
+        f"--baseline {baseline} is not among --methods ({' '.join(methods)}): add it there "
+        "or name one of them"
+    )
 
 
 def _model_problem(cfg: BenchConfig) -> str | None:
     if cfg.layer or cfg.device != "cpu" or cfg.dtype != "float32":
-        return "--model runs on CPU ranks in float32, without --layer"
-    unknown = set(model_config(cfg).methods) - set(MODEL_METHODS)
+        return "--whole-model runs on CPU ranks in float32, without --layer"
+    methods = model_config(cfg).methods
+    unknown = set(methods) - set(MODEL_METHODS)
     if unknown:
-        return f"--model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
+        return f"--whole-model: unknown methods {sorted(unknown)}; choose from {MODEL_METHODS}"
+    if cfg.baseline and cfg.baseline not in methods:
+        return baseline_problem(cfg.baseline, methods)
     least = {
         "vocab_size": 2,
         "mlp_size": 0,
@@ -249,7 +280,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     from tqdm import tqdm
 
     from upipe.bench import report
-    from upipe.bench.run import RESULTS, Plan, drive, in_process_runner, judge
+    from upipe.bench.run import RESULTS, Plan, baseline_candidates, drive, in_process_runner, judge
 
     under_torchrun = cfg.device == "cuda"
     if under_torchrun:
@@ -264,7 +295,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     problem = validate(cfg, nproc)
     if problem:
         raise ValueError(problem)
-    if cfg.model:
+    if cfg.whole_model:
         from upipe.bench.model import run_model_bench
 
         return run_model_bench(model_config(cfg), quiet=quiet)
@@ -285,7 +316,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         dtype=cfg.dtype,
         causal=cfg.causal,
         device=cfg.device,
-        warmup=cfg.warmup,
+        warmup_rounds=cfg.warmup_rounds,
         repeats=cfg.repeats,
         seed=cfg.seed,
         methods=methods,
@@ -293,7 +324,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
         variants=layer_variants(cfg),
         reference_up_to=cfg.reference_up_to,
     )
-    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
+    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup_rounds + cfg.repeats)
     bar = tqdm(total=steps, disable=not lead or quiet, desc="upipe bench", unit="step")
 
     def tick(text):
@@ -310,9 +341,16 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
             rows, failed = drive(cluster.run, plan, tick)
     bar.close()
     skipped.update(failed)
-    ours = [m.name for m in methods if m.name.removeprefix("layer:").startswith("upipe(")]
-    ref = ours[0] if ours else None
-    judge(rows, cfg.dtype, ref)
+    ran = {m.name: m for m in methods if m.name not in failed}
+    baseline, baselines = None, {}
+    for spec in baseline_candidates(cfg, BASELINES):
+        family = [m for m in _methods(cfg, spec, nproc) if m.name in ran]
+        if family:  # (with --layer one method per variant: each variant's own baseline)
+            of_variant = {getattr(m, "variant", None): m.name for m in family}
+            baselines = {n: of_variant.get(getattr(m, "variant", None)) for n, m in ran.items()}
+            baseline = family[0].name
+            break
+    judge(rows, cfg.dtype, baselines)
     header = (
         f"{nproc} ranks ({'NCCL' if under_torchrun else 'gloo, CPU'}), B={cfg.batch_size} "
         f"H={cfg.heads} G={cfg.kv_heads} d={cfg.head_dim} {cfg.dtype} causal={cfg.causal}"
@@ -330,7 +368,7 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     doc = {
         "config": dataclasses.asdict(cfg),
         "machine": report.machine(cfg.device, nproc, threads, methods),
-        "reference_method": ref,
+        "baseline": baseline,
         "methods": {
             **{m.name: {"status": "ran", "version": m.version()} for m in methods},
             **{n: {"status": "skipped", "reason": why} for n, why in skipped.items()},
@@ -340,5 +378,5 @@ def run_bench(cfg: BenchConfig, *, extra_methods=(), quiet: bool = False) -> dic
     if not lead:
         return doc
     title = header[: header.index("; peak")]
-    report.publish(doc, skipped, cfg, say, header=header, ref=ref, title=title)
+    report.publish(doc, skipped, cfg, say, header=header, title=title)
     return doc

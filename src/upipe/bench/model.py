@@ -1,12 +1,13 @@
-"""`upipe bench --model`: one Hugging Face model's whole training step under each context-parallel
-attention, DeepSpeed ALST's beside upipe's, on identical inputs in the same processes.
+"""`upipe bench --whole-model`: one Hugging Face model's whole training step under each
+context-parallel attention, DeepSpeed ALST's beside upipe's, on identical inputs in the same
+processes.
 
 Legend: B batch, S full sequence, L = S / C local tokens, D = H*d model width, H query heads,
 G kv heads, d head dim, V vocabulary, C ranks.
 
 The model: a `LlamaForCausalLM` from a config (--layers layers, D = H*d, MLP width --mlp-size,
 default 2D, a vocabulary of --vocab-size), the same random weights on every rank; with
---checkpointing every method checkpoints its decoder layers. With --hybrid a
+--activation-checkpoint every method checkpoints its decoder layers. With --hybrid a
 `Qwen3NextForCausalLM` instead (`HYBRID_METHODS` only): Gated DeltaNet layers, H value
 heads over G key heads of d, and gated full attention (H query / G kv heads of d) as every
 fourth layer and the last, dense MLPs; its DeltaNet layers run through
@@ -32,9 +33,11 @@ for the reference loss and gradients (if S <= --reference-up-to, or always); eac
 then runs one step under `upipe.MemoryTracker` (per-rank peak of the tensors allocated in
 the step: activations, communication buffers, logits, gradients; the weights excluded; its
 time is kept too), its loss and its gradients summed over the ranks are compared with the
-reference, and `warmup` + `repeats` interleaved timed rounds follow (a round's time is the
-slowest rank's; the median is reported).
-Ratios are against `alst` (else `alst-full`, else `upipe-ulysses`). One memory unit is one
+reference, and `warmup_rounds` + `repeats` interleaved timed rounds follow (a round's time
+is the slowest rank's; the median is reported).
+Ratios are this method / the baseline (--baseline; default `BASELINES`: `alst`, ALST's
+Ulysses attention, else `alst-full`, else `upipe-ulysses`; with --hybrid `upipe-ulysses`;
+else the first of --methods that ran). One memory unit is one
 `[B, L, D]` fp32 tensor; "KiB/token" (from the second length on) is the growth of the
 per-rank peak from the previous length, per token added to each rank's shard: (peak(S) -
 peak(S')) / ((S - S') / C), what decides the longest context, free of fixed costs.
@@ -79,6 +82,8 @@ MODEL_METHODS = (
 HYBRID_METHODS = ("upipe-ulysses", "upipe", "upipe-full")
 """What runs on --hybrid: apply_context_parallel's (ALST and upipe's own model have no
 Gated DeltaNet)."""
+# the ratios' default baseline, the first that ran: the Ulysses-like methods of each model
+BASELINES = {False: ("alst", "alst-full", "upipe-ulysses"), True: ("upipe-ulysses",)}
 TILED = "+tiled-mlp"
 REFERENCE_CHUNK = 4096
 _STATE: dict = {}
@@ -97,7 +102,7 @@ class ModelShape:
     mlp: int = 0
     """MLP width F (0: 2D)."""
     layers: int = 2
-    checkpointing: bool = False
+    activation_checkpoint: bool = False
     mlp_tile: int = 1024
     loss_chunk: int = 1024
     hybrid: bool = False
@@ -161,7 +166,7 @@ class ModelMethod:
         if self.name.endswith(TILED):
             for layer in model.model.layers:
                 layer.mlp.forward = _TiledForward(layer.mlp)
-        if shape.checkpointing:
+        if shape.activation_checkpoint:
             gradient_checkpointing(model)
         return model
 
@@ -433,9 +438,9 @@ def drive(run, cfg, methods, tick=lambda text: None, partial=lambda rows: None) 
             done = [report.result_row(S, n, measured[n], [], unit) for n in measured]
             partial(rows + done)
         rounds = {name: [] for name in names}
-        for i in range(cfg.warmup + cfg.repeats):
+        for i in range(cfg.warmup_rounds + cfg.repeats):
             per_rank = run(step_round, names)
-            if i >= cfg.warmup:
+            if i >= cfg.warmup_rounds:
                 for name in names:
                     rounds[name].append(max(r[name] for r in per_rank))
             tick(f"S={S}: round {i + 1}")
@@ -456,7 +461,7 @@ def model_shape(cfg) -> ModelShape:
         vocab=cfg.vocab_size,
         mlp=cfg.mlp_size,
         layers=cfg.layers,
-        checkpointing=cfg.checkpointing,
+        activation_checkpoint=cfg.activation_checkpoint,
         mlp_tile=cfg.mlp_tile,
         loss_chunk=cfg.loss_chunk,
         hybrid=cfg.hybrid,
@@ -464,11 +469,11 @@ def model_shape(cfg) -> ModelShape:
 
 
 def run_model_bench(cfg, *, quiet: bool = False) -> dict:
-    """`upipe bench --model` on `cfg.nproc` spawned CPU ranks: prints the table, writes the
+    """`upipe bench --whole-model` on `cfg.nproc` spawned CPU ranks: prints the table, writes the
     JSON and the plot; returns the document."""
     from tqdm import tqdm
 
-    from upipe.bench.run import judge
+    from upipe.bench.run import baseline_candidates, judge
     from upipe.launch import LocalCluster
 
     say = (lambda *a, **k: None) if quiet else print
@@ -480,8 +485,8 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
             say(f"skipping {m.name}: {reason}", flush=True)
         else:
             methods.append(m)
-    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup + cfg.repeats)
-    bar = tqdm(total=steps, disable=quiet, desc="upipe bench --model", unit="step")
+    steps = 1 + len(cfg.seq_lens) * (1 + len(methods) + cfg.warmup_rounds + cfg.repeats)
+    bar = tqdm(total=steps, disable=quiet, desc="upipe bench --whole-model", unit="step")
 
     def tick(text):
         bar.set_postfix_str(text)
@@ -496,8 +501,9 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
         rows = drive(cluster.run, cfg, methods, tick, partial)
     bar.close()
     ran = {m.name for m in methods}
-    ref = next((n for n in ("alst", "alst-full", "upipe-ulysses") if n in ran), None)
-    judge(rows, "float32", ref)
+    candidates = baseline_candidates(cfg, BASELINES[cfg.hybrid])
+    baseline = next((n for n in candidates if n in ran), None)
+    judge(rows, "float32", baseline)
     D = cfg.heads * cfg.head_dim
     shape = model_shape(cfg)
     tiles = (
@@ -513,8 +519,8 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
     )
     header = (
         f"{cfg.nproc} ranks (gloo, CPU); {what}, MLP {shape.mlp or 2 * D}, "
-        f"vocabulary {cfg.vocab_size}, B={cfg.batch_size}, fp32, checkpointing "
-        f"{'on' if cfg.checkpointing else 'off'}{tiles}; one training step (forward, loss, "
+        f"vocabulary {cfg.vocab_size}, B={cfg.batch_size}, fp32, activation checkpointing "
+        f"{'on' if cfg.activation_checkpoint else 'off'}{tiles}; one training step (forward, loss, "
         f"backward); peak = per-rank max of tensors allocated in the step ([B,L,D] = one "
         f"[B, S/{cfg.nproc}, {D}] fp32 tensor); KiB/token = growth of that peak from the "
         f"previous length per token added to a rank; step s = the tracked step's time (the "
@@ -530,7 +536,7 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
     doc = {
         "config": dataclasses.asdict(cfg),
         "machine": report.machine("cpu", cfg.nproc, 1, methods),
-        "reference_method": ref,
+        "baseline": baseline,
         "methods": {
             **{m.name: {"status": "ran", "version": m.version()} for m in methods},
             **{n: {"status": "skipped", "reason": why} for n, why in skipped.items()},
@@ -538,5 +544,5 @@ def run_model_bench(cfg, *, quiet: bool = False) -> dict:
         "results": rows,
     }
     title = header[: header.index("; one training step")]
-    report.publish(doc, skipped, cfg, say, header=header, ref=ref, title=title)
+    report.publish(doc, skipped, cfg, say, header=header, title=title)
     return doc

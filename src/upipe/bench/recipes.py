@@ -1,4 +1,4 @@
-"""The whole-recipe methods of `upipe bench --model`: each side's full long-context memory
+"""The whole-recipe methods of `upipe bench --whole-model`: each side's full long-context memory
 stack on the same Hugging Face Llama (`upipe.bench.model`).
 
 Legend: B batch, S full sequence, L = S / C local tokens, D width, F MLP width, V vocabulary,
@@ -11,19 +11,19 @@ N = B * L, T tokens per MLP tile / loss chunk, C ranks.
                `TiledFusedLogitsLoss` (ceil(N / T) chunks of T = --loss-chunk tokens through
                `lm_head`, forward and backward in one pass, "sum" reduction of each chunk's
                cross-entropy sum over the global count of labels; see `full_loss`). With
-               --checkpointing: transformers' gradient checkpointing (non-reentrant) and
+               --activation-checkpoint: transformers' gradient checkpointing (non-reentrant) and
                deepspeed's `CheckpointHiddenStatesOffload` around the step (its offload of
                the checkpointed inputs: on a CPU it offloads nothing, they are in host memory
                already, which is deepspeed's own rule).
   upipe-full   `upipe.integrations.hf.apply_context_parallel(strategy="upipe",
                tiled_mlp=True, chunked_loss=True, ...)` with the same tile and chunk sizes;
-               with --checkpointing `activation_checkpoint=True` and transformers' gradient
+               with --activation-checkpoint `activation_checkpoint=True` and transformers' gradient
                checkpointing on as well (upipe takes it over: one recompute); the loss from
                `model(..., labels=l, shift_labels=l)`.
   upipe-train  upipe's own `upipe.model.CausalLM` of the same architecture holding the same
                weights, parallelized and given the features as `upipe train` does
                (`upipe.train.parallelize`: the fused UPipe attention, tiled MLP, chunked loss,
-               with --checkpointing activation checkpointing).
+               with --activation-checkpoint activation checkpointing).
 `full_loss` gives what to call backward on (its gradient: this rank's share of the global
 mean loss's) and the global mean loss (every rank the same value).
 """
@@ -75,9 +75,9 @@ def build_full(name: str, base, group, shape, register, tiled_forward):
             mlp_tile=shape.mlp_tile,
             chunked_loss=True,
             loss_chunk=shape.loss_chunk,
-            activation_checkpoint=shape.checkpointing,
+            activation_checkpoint=shape.activation_checkpoint,
         )
-    if shape.checkpointing:
+    if shape.activation_checkpoint:
         gradient_checkpointing(model)
     return model
 
@@ -101,7 +101,7 @@ def _own_model(base, group, shape):
     features = MemoryFeatures(
         tiled_mlp=shape.mlp_tile,
         loss_chunk=shape.loss_chunk,
-        activation_checkpoint=shape.checkpointing,
+        activation_checkpoint=shape.activation_checkpoint,
     )
     return apply_memory_features(model, features, "cpu")
 
@@ -160,7 +160,7 @@ def full_loss(name: str, model, batch, group, shape) -> tuple[torch.Tensor, torc
 
 def full_context(name: str, shape):
     """What wraps `name`'s whole step (forward and backward): ALST's checkpoint offload."""
-    if name == "alst-full" and shape.checkpointing:
+    if name == "alst-full" and shape.activation_checkpoint:
         from deepspeed.runtime.activation_checkpointing.offload_activations import (
             CheckpointHiddenStatesOffload,
         )

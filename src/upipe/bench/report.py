@@ -40,17 +40,25 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | None) -> str:
-    """One block per sequence length, then the skipped methods with their reasons. Rows of
-    `upipe bench --model` (with `add_growth`'s "kib_per_added_token") also show that and the
-    loss's own error."""
+def ratios_line(baseline: str | None, asked: str, variants: bool) -> str:
+    """What the ratio columns are: this method over `baseline` (None: none ran; `asked`:
+    --baseline's value, '' for the default)."""
+    if baseline is None:
+        return f"no ratios: the baseline {asked} did not run" if asked else "no ratios"
+    each = " (each variant over its own variant of it)" if variants else ""
+    return (
+        f"mem ratio, time ratio = this method / {baseline}{each} (< 1: leaner / faster than "
+        f"{baseline}; --baseline names another)"
+    )
+
+
+def table(rows: list[dict], skipped: dict[str, str], *, header: str, ratios: str) -> str:
+    """One block per sequence length, then the skipped methods with their reasons; `ratios`
+    (`ratios_line`) under the header. Rows of `upipe bench --whole-model` (with
+    `add_growth`'s "kib_per_added_token") also show that and the loss's own error."""
     model = any("kib_per_added_token" in r for r in rows)
     width = max([20, *(len(r["method"]) + 2 for r in rows)])  # (--layer --variants: long)
-    lines = [header]
-    if ref:
-        lines.append(
-            f"mem ratio, time ratio = {ref} / this method (> 1: this one is leaner/faster)"
-        )
+    lines = [header, ratios]
     for S in sorted({r["seq_len"] for r in rows}):
         lines += [
             "",
@@ -77,8 +85,8 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
                 + (f"{_fmt(r['rel_err'].get('loss'), '.1e'):>9}" if model else "")
                 + f"{_fmt(r['max_rel_err'], '.1e'):>9}"
                 f"{_fmt(r['rank_memory'], 'd'):>6}{_fmt(r['rank_time'], 'd'):>7}"
-                f"{_fmt(r['ref_over_this_memory'], '.3f'):>11}"
-                f"{_fmt(r['ref_over_this_time'], '.3f'):>11}{tail}"
+                f"{_fmt(r['memory_over_baseline'], '.3f'):>11}"
+                f"{_fmt(r['time_over_baseline'], '.3f'):>11}{tail}"
             )
     if skipped:
         lines += ["", "skipped:"]
@@ -87,7 +95,7 @@ def table(rows: list[dict], skipped: dict[str, str], *, header: str, ref: str | 
 
 
 def _seconds(row: dict) -> float | None:
-    """The median round's seconds, else (`upipe bench --model --repeats 0`) the tracked
+    """The median round's seconds, else (`upipe bench --whole-model --repeats 0`) the tracked
     step's."""
     if row["median_seconds"] is not None:
         return row["median_seconds"]
@@ -167,11 +175,12 @@ def add_growth(rows: list[dict], nproc: int) -> None:
             r["kib_per_added_token"] = grown / 1024 / added
 
 
-def publish(doc: dict, skipped: dict, cfg, say, *, header: str, ref, title: str) -> None:
+def publish(doc: dict, skipped: dict, cfg, say, *, header: str, title: str) -> None:
     """Print the table of `doc["results"]`, write `cfg.json` (the whole `doc`) and the plot
     `cfg.plot` if asked, saying where."""
     rows = doc["results"]
-    say(table(rows, skipped, header=header, ref=ref))
+    ratios = ratios_line(doc["baseline"], cfg.baseline, cfg.layer and cfg.variants)
+    say(table(rows, skipped, header=header, ratios=ratios))
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(doc, f, indent=2)

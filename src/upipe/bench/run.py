@@ -12,7 +12,7 @@ each method, on identical inputs cut into its own layout:
      allocated inside, inputs excluded) whose outputs and gradients are gathered to rank 0
      and compared with the reference (max|x - ref| / max|ref| over out, dq, dk, dv; with
      --layer over y, dx and the four weight gradients);
-then `warmup` + `repeats` rounds in which the methods take turns (interleaved, so drift
+then `warmup_rounds` + `repeats` rounds in which the methods take turns (interleaved, so drift
 hits all alike); a round's time is the slowest rank's, the result the median round.
 A method whose error is above the dtype's tolerance is flagged wrong and not ranked.
 
@@ -215,7 +215,7 @@ class Plan:
     dtype: str
     causal: bool
     device: str
-    warmup: int
+    warmup_rounds: int
     repeats: int
     seed: int
     methods: list[Method]
@@ -254,9 +254,9 @@ def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
                 measured[name] = res
             tick(f"S={S}: {name} memory+error")
         rounds = {name: [] for name in names}
-        for i in range(plan.warmup + plan.repeats):
+        for i in range(plan.warmup_rounds + plan.repeats):
             per_rank = run(step_round, names, plan.causal)
-            if i >= plan.warmup:
+            if i >= plan.warmup_rounds:
                 for name in names:
                     rounds[name].append(max(r[name] for r in per_rank))
             tick(f"S={S}: round {i + 1}")
@@ -267,28 +267,42 @@ def drive(run, plan: Plan, progress=None) -> tuple[list[dict], dict[str, str]]:
     return rows, failed
 
 
-def judge(rows: list[dict], dtype: str, reference_method: str | None) -> None:
+def baseline_candidates(cfg, defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """The methods that may be the ratios' baseline, in order: --baseline alone if given,
+    else the benchmark's Ulysses-like `defaults` and then --methods (the first that ran is
+    the baseline)."""
+    return (cfg.baseline,) if cfg.baseline else (*defaults, *cfg.methods)
+
+
+def judge(rows: list[dict], dtype: str, baseline: str | dict[str, str] | None) -> None:
     """Flag wrong methods, rank the right ones per sequence length (1 = least memory /
-    fastest), and add each row's ratios `reference_method / this` (memory and time)."""
+    fastest), and add to each right row its baseline's name and its ratios over the
+    baseline, `this / baseline` (memory and time; < 1: leaner / faster than the baseline).
+    `baseline`: the baseline method's name, or each method's (a --layer variant's is the
+    baseline's same variant); None: no ratios."""
     tol = TOLERANCE[dtype]
+    if not isinstance(baseline, dict):
+        baseline = {r["method"]: baseline for r in rows} if baseline else {}
     for S in sorted({r["seq_len"] for r in rows}):
         at = [r for r in rows if r["seq_len"] == S]
         for r in at:
-            # None: not checked (no reference at this length: `upipe bench --model`)
+            # None: not checked (no reference at this length: `upipe bench --whole-model`)
             r["correct"] = None if r["max_rel_err"] is None else r["max_rel_err"] <= tol
             r["tolerance"] = tol
             r["rank_memory"] = r["rank_time"] = None
-            r["ref_over_this_memory"] = r["ref_over_this_time"] = None
+            r["baseline"] = baseline.get(r["method"])
+            r["memory_over_baseline"] = r["time_over_baseline"] = None
         good = [r for r in at if r["correct"] is not False]
         for i, r in enumerate(sorted(good, key=lambda r: r["peak_units_BLD"])):
             r["rank_memory"] = i + 1
         timed = [r for r in good if r["median_seconds"] is not None]
         for i, r in enumerate(sorted(timed, key=lambda r: r["median_seconds"])):
             r["rank_time"] = i + 1
-        ref = next((r for r in good if r["method"] == reference_method), None)
-        if ref is None:
-            continue
+        by_name = {r["method"]: r for r in good}
         for r in good:
-            r["ref_over_this_memory"] = ref["peak_units_BLD"] / r["peak_units_BLD"]
-            if r["median_seconds"] and ref["median_seconds"]:
-                r["ref_over_this_time"] = ref["median_seconds"] / r["median_seconds"]
+            base = by_name.get(r["baseline"])
+            if base is None:
+                continue
+            r["memory_over_baseline"] = r["peak_units_BLD"] / base["peak_units_BLD"]
+            if r["median_seconds"] and base["median_seconds"]:
+                r["time_over_baseline"] = r["median_seconds"] / base["median_seconds"]

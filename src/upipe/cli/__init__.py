@@ -5,14 +5,15 @@ parser, read no environment variable and launch nothing: each command module her
 `add_command(subparsers)`, which builds the command's parser (options derived from the
 library's config dataclass, see `upipe.cli.options`) and sets `handler(ns, parser) -> int`
 as its default; the handler validates, launches and calls the library. A bad option ends in
-`parser.error(...)`: a one-line message and exit status 2, never a traceback.
+`parser.error(...)`: a one-line message and exit status 2, never a traceback. Ctrl-C and
+SIGTERM end every command with one line and exit status 130 / 143 (`upipe.cli.stops`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from upipe.cli import bench, demo, plan, train
+from upipe.cli import bench, demo, plan, stops, train
 
 COMMANDS = (train, demo, bench, plan)  # in the order `upipe --help` lists them
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command is None:
         parser.print_help()
         return 0
-    return ns.handler(ns, sub_parser(parser, ns.command)) or 0
+    return stops.stoppable(ns.command, ns.handler, ns, sub_parser(parser, ns.command))
 
 
 def sub_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

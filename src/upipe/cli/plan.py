@@ -9,12 +9,11 @@ import functools
 import importlib.util
 import json
 import os
-import signal
-import sys
 
 from tqdm import tqdm
 
 from upipe.cli.options import add_dataclass_options, config_from_args
+from upipe.cli.stops import stopped
 from upipe.planner import plan as planner
 from upipe.planner import recommend as recommender
 
@@ -47,12 +46,10 @@ def _handle(ns, parser) -> int:
         S = row["max_seq_len"]
         return f"{row['strategy']}: {S:,} tokens" if S else f"{row['strategy']}: does not fit"
 
-    res = _run(pc, parser, "plan", planner.plan, planner.table, line)
-    if res is None:
-        return 128 + signal.SIGINT
-    if pc.plot:
+    res, status = _run(pc, parser, planner.plan, planner.table, line)
+    if pc.plot and res is not None:
         planner.plot(res, pc.plot)
-    return 0
+    return status
 
 
 def _recommend(pc, rc, parser) -> int:
@@ -71,16 +68,16 @@ def _recommend(pc, rc, parser) -> int:
         return f"{row['strategy']}: {fits}, peak {row['peak_bytes'] / planner.GiB:.1f} GiB"
 
     search = functools.partial(recommender.recommend, rc=rc)
-    res = _run(pc, parser, "recommend", search, recommender.table, line)
-    return 128 + signal.SIGINT if res is None else 0
+    return _run(pc, parser, search, recommender.table, line, name="recommend")[1]
 
 
-def _run(pc, parser, name, search, table, line):
+def _run(pc, parser, search, table, line, name="plan"):
     """`search(pc, progress)` under a progress bar over the candidates (their number, the
     total, from `progress(None, res)`), each finished candidate's `line(row)` printed above
     the bar and the JSON rewritten with the results so far (`"finished": false` until the
-    end); then the table. A ValueError becomes the parser's error. On Ctrl-C: the lines of
-    the candidates that finished and the partial JSON; returns None."""
+    end); then the table. A ValueError becomes the parser's error. Returns the results and
+    the exit status. On Ctrl-C or SIGTERM (`upipe.cli.stops`): one line, the lines of the
+    candidates that finished and the partial JSON; returns None and 130 / 143."""
     bar, partial = tqdm(desc=name, unit="candidate"), {}
 
     def progress(row, res):
@@ -98,25 +95,22 @@ def _run(pc, parser, name, search, table, line):
     except ValueError as e:
         bar.close()
         parser.error(str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         bar.close()
         res = partial.get("res")
         done = [r for r in _rows(res or {}) if not r.get("problem") and _finished(r)]
-        print(
-            f"\nupipe {name}: stopped by Ctrl-C (SIGINT) after {len(done)} candidates:",
-            file=sys.stderr,
-        )
+        kept = f"; partial results: {pc.json}" if res and pc.json else ""
+        many = "candidate" if len(done) == 1 else "candidates"
+        status = stopped("plan", e, f" after {len(done)} {many}{kept}")
         for r in done:
             print(line(r))
         if res:
             _write(pc.json, res, finished=False)
-            if pc.json:
-                print(f"partial results: {pc.json}", file=sys.stderr)
-        return None
+        return None, status
     bar.close()
     print(table(res))
     _write(pc.json, res, finished=True)
-    return res
+    return res, 0
 
 
 def _rows(res: dict) -> list[dict]:

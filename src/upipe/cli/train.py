@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import signal
 import sys
 
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from upipe.cli.options import add_dataclass_options, config_from_args
+from upipe.cli.stops import stopped
 from upipe.launch import DistributedError, LocalCluster, die_with_parent
 from upipe.plot import have_matplotlib
 from upipe.train import peers
@@ -183,25 +183,16 @@ def run(cfg: TrainConfig) -> int:
             return 0
     else:
         print(banner(cfg, cfg.nproc), flush=True)
-        # SIGTERM as Ctrl-C: the ranks are stopped and the queues' semaphores released (the
-        # default action would end this process at once and leave both to the kernel and to
-        # multiprocessing's resource tracker, which warns about "leaked semaphore objects")
-        previous = signal.signal(signal.SIGTERM, _interrupt)
         kills = oom_kills()
-        try:
+        try:  # (SIGTERM raises as Ctrl-C does: `upipe.cli.stops`)
             with LocalCluster(cfg.nproc, timeout_s=24 * 3600, pg_timeout_s=cfg.timeout) as cluster:
                 history = cluster.run(_spawned_rank, cfg)[0]
         except DistributedError as e:
             return _failed(e, cfg, kills)
         except KeyboardInterrupt as e:
-            by = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C (SIGINT)"
             ck = cfg.checkpoint_dir
             resume = f"; --resume continues from {ck}" if ck else ""
-            line = f"upipe train: stopped by {by}: the ranks were stopped{resume}"
-            print(f"\n{line}", file=sys.stderr)
-            return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+            return stopped("train", e, f": the ranks were stopped{resume}")
     print(summary(history))
     for what, path in (
         ("metrics", cfg.metrics_file),
@@ -251,14 +242,6 @@ def banner(cfg: TrainConfig, world: int, ranks_per_node: int | None = None) -> s
         + (f"; sequences padded to {padded} (the tail ignored)" if padded > cfg.seq_len else "")
         + ("; documents masked" if cfg.document_mask else "; attention across documents")
     )
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be."""
-
-
-def _interrupt(signum, frame):
-    raise _Terminated
 
 
 def _failed(e: DistributedError, cfg: TrainConfig, oom_kills_before: int | None) -> int:

@@ -132,7 +132,8 @@ PLANNED_ARCHITECTURES = (
 (`hf_shapes`) count a dense MLP and fused attention projections -- not the experts of an MoE
 model, OLMo's unfused attention or Phi-3's fused rows -- and the hybrid Qwen3-Next, whose
 memory (Gated DeltaNet layers, gated attention, FSDP2-sharded experts) and time are both
-those of the Hugging Face model itself (`upipe.planner.hf`, tests/test_plan_hybrid.py)."""
+those of the Hugging Face model itself (`upipe.planner.hf`,
+tests/distributed/test_plan_hybrid.py)."""
 
 
 def _gemma2(cfg) -> str:

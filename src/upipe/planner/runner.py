@@ -6,12 +6,16 @@ default process group, and a fresh interpreter holds nothing of the parent's). T
 is the longest expected first (`cost`), so that the workers end together: on 2 workers the
 last candidates to start are the short ones. On an exception, Ctrl-C included, the pool's
 processes are terminated (`multiprocessing.Pool.__exit__`) and the exception propagates.
+The workers ignore SIGINT (`upipe.launch.children_ignore_sigint`): the caller alone
+handles Ctrl-C.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable, Sequence
+
+from upipe.launch import children_ignore_sigint
 
 
 def cost(kw: dict, depths: Sequence[int]) -> float:
@@ -38,7 +42,9 @@ def run_all(fn: Callable, tasks: list[tuple[object, tuple]], jobs: int, done: Ca
             done(key, fn(*args))
         return
     keys = [key for key, _ in tasks]  # (sent as indices: a key may not survive pickling)
-    with mp.get_context("spawn").Pool(min(jobs, len(tasks))) as pool:
+    with children_ignore_sigint():
+        pool = mp.get_context("spawn").Pool(min(jobs, len(tasks)))
+    with pool:
         work = [(i, fn, args) for i, (_, args) in enumerate(tasks)]
         for i, result in pool.imap_unordered(_call, work):
             done(keys[i], result)
