@@ -1,6 +1,7 @@
 """The planner's shortcuts give what the exhaustive paths give: `counts.count_in` (two
 lengths, in the memory's own simulator) equals `timing.count_step` (three lengths, its own
-simulators), and the search's answers equal a scan of every length."""
+simulators), the simulator's warm-up without a step leaves the state a step leaves, and
+the search's answers equal a scan of every length."""
 
 from __future__ import annotations
 
@@ -66,6 +67,28 @@ def test_counts_in_the_memory_simulator_equal_count_step(world, label, kw):
         sim.step(S)
         got = count_in(sim, cfg, world, MODEL, S, unit=unit, depths=depths)
     assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,label,kw,kernels",
+    [(*case, "cuda") for case in CASES] + [(*case, "cpu") for case in CASES[2:4]],
+    ids=[f"{w}-{label}" for w, label, _ in CASES] + [f"cpu-{w}-{n}" for w, n, _ in CASES[2:4]],
+)
+def test_warm_up_leaves_what_a_step_leaves(world, label, kw, kernels):
+    """A measured step right after the simulator's warm-up (`step._warm_up`: FSDP2's units
+    unsharded and resharded, one optimizer step on zero gradients, no forward or backward)
+    equals one after a whole unmeasured step at the shortest length (the warm-up the
+    simulator ran before): every field of `StepMemory`, the largest tensors at the peak
+    included, for every strategy and memory feature set, on CUDA's kernels and on the CPU's
+    without FSDP (fp32 masters beside the bf16 model)."""
+    cpu = dict(fsdp=False) if kernels == "cpu" else {}
+    cfg = TrainConfig(**{**kw, **cpu}, plot=None)
+    depths = extrapolation_depths(cfg, MODEL.n_layers)
+    with StepSimulator(cfg, world, MODEL, depths=depths, kernels=kernels) as sim:
+        first = sim.step(1024, explain=True)
+        sim.step(sim._shortest())  # a whole step, unmeasured
+        assert sim.step(1024, explain=True) == first
 
 
 @pytest.mark.slow
