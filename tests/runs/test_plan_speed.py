@@ -1,6 +1,7 @@
 """The planner's shortcuts give what the exhaustive paths give: `counts.count_in` (two
 lengths, in the memory's own simulator) equals `timing.count_step` (three lengths, its own
-simulators), and the search's answers equal a scan of every length."""
+simulators), the simulator's warm-up without a step leaves the state a step leaves, and
+the search's answers equal a scan of every length."""
 
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ CASES = _covering()
 @pytest.mark.parametrize("world,label,kw", CASES, ids=[f"{w}-{label}" for w, label, _ in CASES])
 def test_counts_in_the_memory_simulator_equal_count_step(world, label, kw):
     """Every count (FLOPs, collective bytes, host copies, memory-bound bytes) at 1024 tokens
-    (whole tiles and chunks), every strategy and memory feature set (checkpoints of 2
-    blocks, kept inputs, FSDP2's offload, attention outputs kept or offloaded): the same
-    integers. The memory step at that length runs first, as in `--recommend`."""
+    (whole tiles and chunks, 16 per rank: on the lattice, where `count_in` counts the length
+    itself with the tiles after the second repeated), every strategy and memory feature set
+    (checkpoints of 2 blocks, kept inputs, FSDP2's offload, attention outputs kept or
+    offloaded): the same integers. The memory step at that length runs first, as in
+    `--recommend`."""
     cfg = TrainConfig(**kw, plot=None)
     depths = extrapolation_depths(cfg, MODEL.n_layers)
     S, unit = 8 * 128, kw["seq_len"]
@@ -66,6 +69,50 @@ def test_counts_in_the_memory_simulator_equal_count_step(world, label, kw):
         sim.step(S)
         got = count_in(sim, cfg, world, MODEL, S, unit=unit, depths=depths)
     assert got == want
+
+
+OFF_LATTICE = [case for case in CASES if case[1] in (
+    "upipe U=4 +features", "usp 2x2 +loss+recompute+keep",
+)]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,label,kw", OFF_LATTICE, ids=[f"{w}-{label}" for w, label, _ in OFF_LATTICE]
+)
+def test_counts_off_the_lattice_equal_count_step(world, label, kw):
+    """Off `count_step`'s lattice (1056 tokens: 16.5 MLP tiles and loss chunks per rank)
+    `count_in` fits two lengths (the third where the attention check fails) instead of
+    counting the length itself: the same integers as `count_step`'s three."""
+    cfg = TrainConfig(**kw, plot=None)
+    depths = extrapolation_depths(cfg, MODEL.n_layers)
+    S, unit = 8 * 128 + 32, kw["seq_len"]
+    want = count_step(cfg, world, MODEL, S, unit=unit, depths=depths)
+    with StepSimulator(cfg, world, MODEL, depths=depths) as sim:
+        got = count_in(sim, cfg, world, MODEL, S, unit=unit, depths=depths)
+    assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,label,kw,kernels",
+    [(*case, "cuda") for case in CASES] + [(*case, "cpu") for case in CASES[2:4]],
+    ids=[f"{w}-{label}" for w, label, _ in CASES] + [f"cpu-{w}-{n}" for w, n, _ in CASES[2:4]],
+)
+def test_warm_up_leaves_what_a_step_leaves(world, label, kw, kernels):
+    """A measured step right after the simulator's warm-up (`step._warm_up`: FSDP2's units
+    unsharded and resharded, one optimizer step on zero gradients, no forward or backward)
+    equals one after a whole unmeasured step at the shortest length (the warm-up the
+    simulator ran before): every field of `StepMemory`, the largest tensors at the peak
+    included, for every strategy and memory feature set, on CUDA's kernels and on the CPU's
+    without FSDP (fp32 masters beside the bf16 model)."""
+    cpu = dict(fsdp=False) if kernels == "cpu" else {}
+    cfg = TrainConfig(**{**kw, **cpu}, plot=None)
+    depths = extrapolation_depths(cfg, MODEL.n_layers)
+    with StepSimulator(cfg, world, MODEL, depths=depths, kernels=kernels) as sim:
+        first = sim.step(1024, explain=True)
+        sim.step(sim._shortest())  # a whole step, unmeasured
+        assert sim.step(1024, explain=True) == first
 
 
 @pytest.mark.slow

@@ -55,8 +55,9 @@ What the simulation replaces, and why it does not change the memory:
   not allocate. Smaller workspaces (cuBLAS, the forward's) are left to the planner's
   reserve.
 - The batch is synthetic (ids, labels and positions `[B, L]` int64, as on the device).
-- The optimizer states are created by one unmeasured warm-up step, so the measured step
-  is a steady-state step (states persistent, gradients set to None).
+- The optimizer states (and FSDP2's unsharded parameter storages) are made by a warm-up
+  without a step (`_warm_up`; the Hugging Face path: one unmeasured step), so the measured
+  step is a steady-state step (states persistent, gradients set to None).
 - On CUDA, AdamW defaults to its foreach implementation, which briefly holds one extra
   state-sized temporary during the optimizer step; the fake CPU runs the per-parameter loop.
   The optimizer phase is reported apart (`phase_bytes`) so this can be judged: at long
@@ -465,7 +466,7 @@ class JobSimulator:
         self._stack.close()
 
     def _shortest(self) -> int:
-        """The shortest valid sequence length (the warm-up step's)."""
+        """The shortest valid sequence length (the Hugging Face path's warm-up step's)."""
         for seq_len in range(2 * self.world, 10**6, 2 * self.world):
             if self._problem(seq_len) is None:
                 return seq_len
@@ -576,7 +577,7 @@ class StepSimulator(JobSimulator):
         return mesh
 
     def _build(self, mesh, n_layers: int) -> SimulatedJob:
-        """A Trainer of `n_layers` blocks with its own tracker, after one warm-up step."""
+        """A Trainer of `n_layers` blocks with its own tracker, warmed up (`_warm_up`)."""
         cfg = dataclasses.replace(self.cfg, data=__file__)  # never read: synthetic batches
         model_config = dataclasses.replace(self.model_config, n_layers=n_layers)
         default = torch.get_default_dtype()
@@ -597,9 +598,8 @@ class StepSimulator(JobSimulator):
         trainer.batch = types.MethodType(_synthetic_batch, trainer)
         self.trainers[n_layers] = trainer
         job = TrainerJob(trainer)
-        # an unmeasured step at the shortest valid length: optimizer states, lazy buffers
         with _kernels(self.kernels):
-            measure_step(job, self._shortest())
+            _warm_up(trainer)
         return job
 
     def _problem(self, seq_len: int) -> str | None:
@@ -610,6 +610,33 @@ class StepSimulator(JobSimulator):
     def __exit__(self, *exc):
         self.trainers = {}
         super().__exit__(*exc)
+
+
+def _warm_up(trainer) -> None:
+    """Bring a freshly built `trainer` (with its `tracker`) to the state a measured step
+    starts from after earlier steps, without a step: what a step leaves behind is AdamW's
+    states (made by its first update) and FSDP2's unsharded parameter storages (allocated at
+    a unit's first all-gather, then kept at size 0 between all-gathers); everything else a
+    step allocates is freed by its end. So: each FSDP2 unit unshards and reshards (its
+    storages made, then emptied, as after a step), every master parameter gets a zero
+    gradient and the optimizer steps (its states made, on the host with --fsdp-offload,
+    as `measure_step`'s optimizer phase), and the update drops the gradients as it does
+    after every step. Values do not matter (nothing is computed). A whole unmeasured step
+    at the shortest length did the same at the cost of a step per simulated depth;
+    `tests/runs/test_plan_speed.py` checks that a measured step after this equals one after
+    such a step, every field of `StepMemory`, for every strategy and memory feature set."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mem = trainer.tracker
+    with mem:
+        for unit in trainer.model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.unshard()
+                unit.reshard()
+        for p in trainer.master.parameters():
+            p.grad = torch.zeros_like(p)
+        with mem.on_host(mem.optimizer_on_host):
+            trainer.optimizer_step()
 
 
 def _synthetic_batch(trainer, index: int, *, held_out: bool = False) -> list[tuple]:

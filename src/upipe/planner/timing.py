@@ -90,6 +90,7 @@ from upipe.planner.hardware import (  # noqa: F401  (the presets, also reached f
     get_hardware,
     resolve_kernel,
 )
+from upipe.planner.sampled import repeated_tiles
 from upipe.planner.step import HOST_DEVICE, StepSimulator
 from upipe.torch_private import TorchDispatchMode
 
@@ -232,10 +233,34 @@ class _Counter(TorchDispatchMode):
             self.counts[kind] += _nbytes(read) + _nbytes(written)
 
 
-def _count(sim: StepSimulator, seq_len: int, depth: int | None = None) -> dict[str, int]:
+class _Repeats:
+    """What `sampled.repeated_tiles` asks of the counting: `mark()` the counts so far,
+    `repeat(mark, times)` adds what was counted since the mark `times` more (`_Counter`'s
+    counts and the collectives logged)."""
+
+    def __init__(self, counter: _Counter, log: CollectiveLog):
+        self.counter, self.log = counter, log
+
+    def mark(self) -> tuple[dict[str, int], int]:
+        self.counter.settle()
+        return dict(self.counter.counts), len(self.log.calls)
+
+    def repeat(self, mark: tuple[dict[str, int], int], times: int) -> None:
+        self.counter.settle()
+        (counts, n_calls), now = mark, self.counter.counts
+        for key in list(now):
+            now[key] += (now[key] - counts.get(key, 0)) * times
+        self.log.calls.extend(self.log.calls[n_calls:] * times)
+
+
+def _count(
+    sim: StepSimulator, seq_len: int, depth: int | None = None, *, repeat_tiles: bool = False
+) -> dict[str, int]:
     """Counts of one simulated step at `seq_len`: `_Counter`'s, and the bytes of each
     collective as "op@ranks" (ranks: the group's global ranks). `depth`: of that job of
-    `sim` only, with the full loops (else every job of `sim`, its loops as `sim` runs them)."""
+    `sim` only, with the full loops (else every job of `sim`, its loops as `sim` runs them);
+    `repeat_tiles`: the tile loops run two tiles, the second counted for the others too
+    (`sampled.repeated_tiles`: exact where every tile is whole)."""
     trackers = [trainer.tracker for trainer in sim.trainers.values()]
 
     def is_host(t: torch.Tensor) -> bool:
@@ -256,6 +281,8 @@ def _count(sim: StepSimulator, seq_len: int, depth: int | None = None) -> dict[s
     patches = contextlib.ExitStack()
     patches.enter_context(mock.patch.object(step_module, "_cuda_addmm_acc_", addmm_acc_))
     patches.enter_context(mock.patch.object(deltanet_module, "_account", account))
+    if repeat_tiles:
+        patches.enter_context(repeated_tiles(_Repeats(counter, log)))
     with patches, counter, log:
         if depth is None:
             sim.step(seq_len)
