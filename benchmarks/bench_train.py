@@ -63,7 +63,7 @@ def summarize(name: str, history: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """This script's options (tests/unit/test_documented_commands.py parses the documented
+    """This script's options (tests/unit/test_documented_options.py parses the documented
     commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")

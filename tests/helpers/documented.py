@@ -1,7 +1,7 @@
 """The commands the documentation shows: every `upipe ...`, `torchrun ...`, `make ...` and
 `python benchmarks/...` line in the fenced code blocks of README.md, CONTRIBUTING.md and
 docs/*.md, and every `upipe COMMAND ...` in their inline code. Read by
-tests/unit/test_documented_commands.py (each parsed by the real parsers) and
+tests/unit/test_documented_options.py (each parsed by the real parsers) and
 tests/runs/test_documented_commands.py (each run at a tiny size).
 
 A code block's lines are commands once a trailing backslash joins the next line and `#`

@@ -1,7 +1,7 @@
 """Every command in the docs' code blocks runs as documented, shrunk to a tiny size: it exits
 with status 0. The commands of one code block run in order in one directory (a checkpoint
 written by one is resumed by the next). Their arguments are also parsed, without running,
-by tests/unit/test_documented_commands.py, which is where a renamed option shows first.
+by tests/unit/test_documented_options.py, which is where a renamed option shows first.
 
 Shrinking (`shrink`): each option of `TINY` that a command names takes its tiny value, and
 the command gets those of `ADDED` it does not name -- sizes only (tokens, steps, ranks,
