@@ -2,11 +2,13 @@
 
 - Sequence tiles (`tile_starts`): each iteration of the tiled MLP's loops and of the chunked
   loss's (`upipe.model.features._TiledRecompute` forward and backward,
-  `upipe.loss._FusedChunkedCrossEntropy` forward) allocates and frees the same buffers --
-  one tile's -- writes its slice of an output allocated once and accumulates gradients in
-  place. Only the first iteration can
-  differ (it may allocate the output or a `.grad`), and the last, the only one that can be
-  a partial tile, is no larger.
+  `upipe.loss._FusedChunkedCrossEntropy` forward), and of the fused UPipe op's row chunks
+  (the output projection summed over the stages, `upipe.attention.fused._o_proj`, and dx
+  summed over the stages' parts, `staged_layer.DxAccumulator.result`: an fp32 accumulator
+  of one chunk's rows each) allocates and frees the same buffers -- one tile's -- writes
+  its slice of an output allocated once and accumulates gradients in place. Only the
+  first iteration can differ (it may allocate the output or a `.grad`), and the last, the
+  only one that can be a partial tile, is no larger.
 - Ring steps (`ring_steps`, `upipe.attention.ring`): a step receives the next kv block (the
   backward also a dk/dv accumulator) into buffers of fixed shapes and attends to a block
   whose shapes depend only on which query and key halves meet, so a step's memory depends

@@ -114,12 +114,16 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
         ("ring", 4, {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 64}),
         ("usp", 8, {"ring": 4, "tiled_mlp": True, "mlp_tile": 128}),
         ("upipe", 8, {"ring": 4}),  # each UPipe stage a ring
+        # bf16 with fp32 masters: the fused op's row chunks (the output projection, and dx
+        # summed over the stages' parts), tiles too
+        ("upipe", 4, {"dtype": "bfloat16", "fsdp": True, "activation_checkpoint": True}),
     ],
 )  # fmt: skip
 def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
-    """The simulator's other shortcut (`upipe.planner.sampled`): tile loops run two tiles,
-    a ring its diagonal block and every rank's off-diagonal blocks twice. Rank 0's sampled
-    step has the peak -- and each phase's peak -- of the worst rank running every iteration."""
+    """The simulator's other shortcut (`upipe.planner.sampled`): tile loops -- the tiled
+    MLP's, the chunked loss's, the fused UPipe op's row chunks -- run two tiles, a ring its
+    diagonal block and every rank's off-diagonal blocks twice. Rank 0's sampled step has
+    the peak -- and each phase's peak -- of the worst rank running every iteration."""
     cfg = small_config(strategy=strategy, nproc=world, **kw)
     seq_lens = (1024, 2816)  # 2 .. 11 tiles per rank
 

@@ -47,6 +47,7 @@ import functools
 
 import torch
 
+from upipe import loops
 from upipe.attention import kept, sinks
 from upipe.attention.common import save_for_backward, saved_for_backward
 from upipe.attention.schedule import add_kv_, put_q, stage_attention
@@ -98,7 +99,7 @@ def _o_proj(layer: StagedLayer, out_slices, stage_ids, row_chunks: int = 8):
     N, D = layer.B * layer.L, layer.D
     y_ND = torch.empty(N, D, dtype=layer.x_ND.dtype, device=layer.x_ND.device)
     step = -(-N // row_chunks)
-    for r0 in range(0, N, step):
+    for r0 in loops.tile_starts(N, step):
         acc32 = torch.zeros(min(step, N - r0), D, dtype=acc_dtype(y_ND.dtype), device=y_ND.device)
         for out_BLUd, (rnd, s) in zip(out_slices, stage_ids, strict=True):
             out_rows = out_BLUd.view(N, -1)[r0 : r0 + step]

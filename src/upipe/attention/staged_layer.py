@@ -17,6 +17,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from upipe import loops
 from upipe.attention.schedule import select_kv, select_q
 from upipe.attention.stage import StageAttention
 from upipe.comm import Done, HeadExchange
@@ -218,7 +219,7 @@ class DxAccumulator:
         N, D = self.shape
         dx_ND = torch.empty(N, D, dtype=dtype, device=self.device)
         step = -(-N // row_chunks)
-        for r0 in range(0, N, step):
+        for r0 in loops.tile_starts(N, step):
             acc32 = torch.zeros(min(step, N - r0), D, dtype=self.dtype, device=self.device)
             for g_Nn, rows in self.waiting:
                 self.layer.gemm_acc_(acc32, g_Nn[r0 : r0 + step], rows())

@@ -135,20 +135,23 @@ def _chunk_scan(reference: Callable, q, *args, **kwargs):
 
 
 def repeated_tiles(tally):
-    """Within the block the tile loops (`loops.tile_starts`) run their first two tiles and
-    `tally` counts the second once more for each tile after it: `tally.mark()` before the
-    second tile runs, `tally.repeat(mark, n - 2)` after it (n tiles). For counting
-    (`upipe.planner.counts`): every tile after the first does the same work as the second
-    (`upipe.loops`: only the first iteration may allocate an output or a `.grad`) when the
-    tiles are whole, which the caller ensures; ring steps and chunk scans run in full."""
+    """Within the block the tile loops (`loops.tile_starts`) run their first tile, their
+    second, which `tally` then counts once more for each whole tile after it
+    (`tally.mark()` before the second tile runs, `tally.repeat(mark, w - 2)` after it: w
+    whole tiles), and a partial last tile. For counting (`upipe.planner.counts`): a whole
+    tile after the first does the same work as the second (`upipe.loops`: only the first
+    iteration may allocate an output or a `.grad`); ring steps and chunk scans run in full."""
 
     def tile_starts(length: int, tile: int):
         starts = range(0, length, tile)
+        whole = length // tile
         yield from starts[:1]
-        if len(starts) > 1:
+        if whole > 1:
             mark = tally.mark()
             yield starts[1]
-            tally.repeat(mark, len(starts) - 2)
+            tally.repeat(mark, whole - 2)
+        if len(starts) > max(whole, 1):  # a partial last tile (after a whole one)
+            yield starts[-1]
 
     return mock.patch.object(loops, "tile_starts", tile_starts)
 

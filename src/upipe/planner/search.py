@@ -15,9 +15,14 @@ What it rests on (and what `tests/runs/test_plan.py` and `tests/runs/test_plan_s
 The first length tried is `first` steps (the planner's 16: 1M tokens at the default 64K
 granularity, where the memory features' plans are linear already), then twice that (at
 least 16), so that the line through the two is the last piece's; a length that cannot fit
-by a lower bound of the memory (`device_floor`) is not tried first. A guess that does not
-halve the bracket twice in a row is replaced by bisection, so the search also ends on peaks
-that are not linear.
+by a lower bound of the memory (`device_floor`) is not tried first. A line's crossing
+between a length that fits and one that does not is rounded up: where a part is convex (a
+simulated depth's peak is the largest of sums that each grow linearly) the chord lies
+above it and meets the budget early, so the answer is at least the crossing rounded down
+and the length above it is the likelier last one (Llama3-8B's UPipe U=8 with checkpoints
+of 2 blocks on 8 GPUs: the chord from 32 to 226 steps crosses at 176.6, the answer is 177,
+one simulated step fewer). A line's guess that does not halve the bracket twice in a row
+is replaced by bisection, so the search also ends on peaks that are not linear.
 """
 
 from __future__ import annotations
@@ -70,8 +75,9 @@ def max_fitting(
             lo = k
         else:
             hi = k
+        line = len(order) >= 2  # (k was a line's guess, not the first nor one step)
         order.append(k)
-        slow = slow + 1 if bracketed and 2 * (hi - lo) > width else 0
+        slow = slow + 1 if line and bracketed and 2 * (hi - lo) > width else 0
         guess = _next_guess(order, value, budget, lo, hi)
     return lo * step, seen
 
@@ -79,8 +85,9 @@ def max_fitting(
 def _next_guess(order: list[int], value, budget: float, lo: int, hi: int) -> int:
     """Where to look next: below the first length if nothing fits yet; beyond the only
     length known, twice it and at least `GROWTH`; else where the first part's line through
-    the last two lengths meets the budget (if every part is flat so far, `GROWTH` times the
-    longest that fits)."""
+    the last two lengths meets the budget, rounded up between a length that fits and one
+    that does not (module doc), down beyond both (if every part is flat so far, `GROWTH`
+    times the longest that fits)."""
     if lo == 0:
         return 1
     if len(order) < 2:
@@ -91,7 +98,10 @@ def _next_guess(order: list[int], value, budget: float, lo: int, hi: int) -> int
         slope = (yb - ya) / (b - a)
         if slope > 0:
             crossings.append(b + (budget - yb) / slope)
-    return math.floor(min(crossings)) if crossings else GROWTH * lo
+    if not crossings:
+        return GROWTH * lo
+    between = min(a, b) == lo and max(a, b) == hi  # (the two lengths bracket the answer)
+    return (math.ceil if between else math.floor)(min(crossings))
 
 
 def device_floor(cfg, world: int, model) -> int:

@@ -247,8 +247,11 @@ class StepTracker(MemoryTracker):
         self._on_host = False
         self.optimizer_on_host = False
         self._op = None
-        self._what: dict[int, str] | None = {} if explain else None
-        self.at_peak: list[tuple[int, str]] = []
+        # with explain: what made each storage (op, shape, dtype), and the storages live at
+        # the device peak with what made them, formatted and sorted only when asked
+        # (`at_peak`: the peak is raised many times in a step)
+        self._what: dict[int, tuple] | None = {} if explain else None
+        self._peak_live: list[tuple[int, tuple | str | None]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -289,9 +292,16 @@ class StepTracker(MemoryTracker):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             if self._what is not None:
-                before = "(kept from before the step)"
-                live = [(n, self._what.get(k, before)) for k, n in self._live.items()]
-                self.at_peak = sorted(live + ([transient] if transient else []), reverse=True)
+                what = self._what
+                self._peak_live = [(n, what.get(k)) for k, n in self._live.items()]
+                if transient:
+                    self._peak_live.append(transient)
+
+    @property
+    def at_peak(self) -> list[tuple[int, str]]:
+        """With explain: the storages live at the device peak, largest first, as (bytes,
+        "op [shape] dtype" of the op that made it, or "(kept from before the step)")."""
+        return sorted(((n, _describe(what)) for n, what in self._peak_live), reverse=True)
 
     def _free_host(self, key: int) -> None:
         self.host_bytes -= self._host.pop(key, 0)
@@ -332,8 +342,19 @@ class StepTracker(MemoryTracker):
             self._add_host(storage)
             return
         if self._what is not None:
-            self._what[key] = f"{self._op} {list(t.shape)} {str(t.dtype)[6:]}"
+            self._what[key] = (self._op, t.shape, t.dtype)
         self._count(t)  # (the device is known: no second `t.device`, a dispatch here)
+
+
+def _describe(what: tuple | str | None) -> str:
+    """A storage of `StepTracker.at_peak`: "op [shape] dtype" from (op, shape, dtype), a
+    workspace's own text, or None: allocated before the step."""
+    if what is None:
+        return "(kept from before the step)"
+    if isinstance(what, str):
+        return what
+    op, shape, dtype = what
+    return f"{op} {list(shape)} {str(dtype)[6:]}"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -663,7 +684,7 @@ def measure_step(job: SimulatedJob, seq_len: int, explain: bool = False) -> Step
     mem = job.tracker
     persistent = mem.current_bytes
     mem.peak_bytes, mem.phase_peak_bytes, mem.host_peak_bytes = persistent, {}, mem.host_bytes
-    mem.phase, mem._what, mem.at_peak = "forward", ({} if explain else None), []
+    mem.phase, mem._what, mem._peak_live = "forward", ({} if explain else None), []
     with mem:
         job.forward_backward()
         mem.phase = "optimizer"
