@@ -51,14 +51,13 @@ def _run(capfd, *args) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     """`upipe plan --device cpu` for the tiny model on 2 ranks with a small memory budget
-    (so that the longest sequence is short): its JSON and the command it printed. (--dtype
-    float32, train's default, is named: the plan's default is bfloat16 on every device, and
-    this test's two runs took 33 s in bf16 against 17 s in fp32 on 2 shared cores.)"""
+    (so that the longest sequence is short), with plan's defaults (on CPU: float32, no
+    FSDP, train's): its JSON and the command it printed."""
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     code = main(["plan", "--device", "cpu", "--model", "tiny", "--gpus", "2",
                  "--gpu-memory-gib", "0.02", "--reserve-gib", "0", "--granularity", "1024",
                  "--max-seq-len", "2048", "--strategies", "upipe", "--heads-per-stage", "2",
-                 "--features", "off", "--dtype", "float32", "--json", str(path)])  # fmt: skip
+                 "--features", "off", "--json", str(path)])  # fmt: skip
     assert code == 0
     return json.loads(path.read_text())
 
@@ -69,7 +68,11 @@ def test_the_plans_command_trains_what_was_planned(planned, tmp_path, capfd):
     assert words[:2] == ["upipe", "train"], command
     cfg = config_from_args(TrainConfig, build_parser().parse_args(words[1:]))
     default = TrainConfig(device="cpu")
-    assert (cfg.fsdp, cfg.document_mask) == (default.fsdp, default.document_mask), command
+    assert (cfg.fsdp, cfg.document_mask, cfg.dtype) == (
+        default.fsdp,
+        default.document_mask,
+        default.dtype,
+    ), command
     (row,) = planned["strategies"]
     assert cfg.seq_len == row["max_seq_len"] > 0
     code, out, err = _run(capfd, *words[1:], "--steps", "2", *DATA,

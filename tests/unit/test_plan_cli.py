@@ -15,7 +15,7 @@ from upipe.cli.stops import Terminated
 from upipe.planner import plan as planner
 from upipe.planner.command import train_command
 from upipe.planner.plan import PlanConfig, resolved
-from upipe.train.config import TrainConfig, default_fsdp
+from upipe.train.config import TrainConfig, default_dtype, default_fsdp
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
@@ -24,10 +24,12 @@ def test_plan_and_train_default_alike(device, monkeypatch):
     pc = resolved(PlanConfig(device=device))
     train = TrainConfig(device=device)
     assert pc.fsdp == train.fsdp == default_fsdp(device) == (device == "cuda")
+    assert pc.dtype == train.dtype == default_dtype(device)
     for name in ("document_mask", "batch_size", "master_dtype", "attention_kernel"):
         assert getattr(pc, name) == getattr(train, name), name
     (_, kw, _), *_ = planner.candidates(pc, planner.get_config(pc.model))
     assert kw["fsdp"] == train.fsdp and kw["document_mask"] == train.document_mask
+    assert kw["dtype"] == train.dtype
 
 
 def test_cpu_plans_this_machines_memory(monkeypatch):

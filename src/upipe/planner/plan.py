@@ -29,7 +29,7 @@ from upipe.planner.runner import cost, run_all
 from upipe.planner.search import GROWTH, device_floor, max_fitting  # noqa: F401 (also from here)
 from upipe.planner.step import StepSimulator
 from upipe.plot import Panel, Series, save_plot
-from upipe.train.config import TrainConfig, default_fsdp, validate
+from upipe.train.config import TrainConfig, default_dtype, default_fsdp, validate
 
 GiB = 2**30
 # the first and last blocks differ from the others (FSDP prefetch, the loss after the last
@@ -116,10 +116,12 @@ class PlanConfig:
     step is planned for one document per sequence, the most memory a batch can hold (with
     documents the trainer runs the rows one at a time; on CUDA a stage's documents are one
     varlen kernel call, no larger than the dense one)."""
-    dtype: str = dataclasses.field(
-        default="bfloat16", metadata={"choices": ("bfloat16", "float32")}
+    dtype: str | None = dataclasses.field(
+        default=None, metadata={"choices": ("bfloat16", "float32")}
     )
-    """Compute dtype (the weights forward and backward use, and the activations)."""
+    """Compute dtype (the weights forward and backward use, and the activations; default:
+    bfloat16 with --device cuda, float32 on cpu: the rule `upipe train` follows, one function
+    for both)."""
     master_dtype: str = dataclasses.field(
         default="float32", metadata={"choices": ("float32", "bfloat16")}
     )
@@ -328,7 +330,10 @@ def resolved(pc: PlanConfig) -> PlanConfig:
         memory, reserve = pc.gpu_memory_gib or CUDA_MEMORY_GIB, CUDA_RESERVE_GIB
     reserve = reserve if pc.reserve_gib is None else pc.reserve_gib
     fsdp = default_fsdp(pc.device) if pc.fsdp is None else pc.fsdp
-    return dataclasses.replace(pc, gpu_memory_gib=round(memory, 3), reserve_gib=reserve, fsdp=fsdp)
+    dtype = pc.dtype or default_dtype(pc.device)
+    return dataclasses.replace(
+        pc, gpu_memory_gib=round(memory, 3), reserve_gib=reserve, fsdp=fsdp, dtype=dtype
+    )
 
 
 def checked(pc: PlanConfig):

@@ -83,8 +83,10 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
     kernel = resolve_kernel(pc.attention_kernel, hw)
     hw.kernel_rate(kernel)  # (a kernel without rates is refused before any simulation)
     named = {} if pc.attention_kernel == "auto" else {"attention_kernel": kernel}
-    # the memory of the kernel timed; the device's memory defaults filled in
-    pc = plan.resolved(dataclasses.replace(pc, attention_kernel=kernel))
+    # the memory of the kernel timed; the device's memory defaults filled in; bf16 compute
+    # unless --dtype says otherwise (refused below: the rates are bf16's), on any --device
+    pc = dataclasses.replace(pc, attention_kernel=kernel, dtype=pc.dtype or "bfloat16")
+    pc = plan.resolved(pc)
     if N is None or N < 1:
         raise ValueError(f"--recommend needs --seq-len N >= 1 (tokens per sequence), got {N}")
     if pc.dtype != "bfloat16":

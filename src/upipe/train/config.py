@@ -26,6 +26,13 @@ def default_fsdp(device: str) -> bool:
     return device == "cuda"
 
 
+def default_dtype(device: str) -> str:
+    """--dtype when not given, for `upipe train` and `upipe plan` alike: bfloat16 on CUDA
+    (mixed precision with the float32 masters: what the flash and cuDNN kernels take and what
+    long-context runs train in), float32 on CPU (the spawned demo ranks, as they always ran)."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
     model: str = dataclasses.field(default="tiny", metadata={"choices": sorted(PRESETS)})
@@ -87,8 +94,9 @@ class TrainConfig:
     save_hf: str | None = None
     """At the end, save the trained weights here as a Hugging Face model directory
     (config.json + model.safetensors, loadable by transformers)."""
-    dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
-    """Compute dtype: the weights forward and backward use, and the activations."""
+    dtype: str | None = dataclasses.field(default=None, metadata={"choices": tuple(DTYPES)})
+    """Compute dtype: the weights forward and backward use, and the activations. Default:
+    bfloat16 with --device cuda, float32 on CPU (`upipe plan` takes the same rule)."""
     master_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
     """Dtype of the weights the optimizer updates (the masters), of their gradients (as
     accumulated and reduced) and of the AdamW states. float32 with --dtype bfloat16 is mixed
@@ -180,6 +188,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.fsdp is None:
             self.fsdp = default_fsdp(self.device)
+        if self.dtype is None:
+            self.dtype = default_dtype(self.device)
 
     def degrees(self, world: int, spec=None) -> tuple[int, int, int]:
         """(dp, ring, ulysses) for `world` processes (`spec`: the strategy's registry entry,
