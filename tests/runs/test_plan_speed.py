@@ -12,7 +12,7 @@ import pytest
 from upipe.model import get_config
 from upipe.planner.counts import count_in
 from upipe.planner.plan import PlanConfig, candidates, extrapolation_depths, plan
-from upipe.planner.search import max_fitting
+from upipe.planner.search import device_floor, max_fitting
 from upipe.planner.step import StepSimulator
 from upipe.planner.timing import count_step
 from upipe.train.config import TrainConfig
@@ -126,6 +126,23 @@ def test_counts_fall_back_where_the_simulator_differs():
         assert count_in(sim, cfg, 2, MODEL, 1024, unit=kw["seq_len"], depths=depths) is None
     with StepSimulator(cfg, 2, MODEL, depths=depths) as sim:
         assert cfg.tiled_mlp and count_in(sim, cfg, 2, MODEL, 64, unit=64, depths=depths) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("strategy", ["none", "ulysses", "ring"])
+def test_device_floor_is_below_the_simulated_peak(strategy, dtype):
+    """The search's first length rests on `device_floor` being a lower bound of the peak
+    (a length it rules out is never tried first): without the chunked loss, where it counts
+    the fp32 logits and their log-softmax, and with the vocabulary large enough that they
+    are most of the peak."""
+    model = dataclasses.replace(MODEL, vocab_size=16384)
+    kw = dict(strategy=strategy, nproc=2, dtype=dtype, seq_len=512, mlp_tile=32, loss_chunk=32)
+    cfg = TrainConfig(**kw, plot=None)
+    with StepSimulator(cfg, 2, model, depths=extrapolation_depths(cfg, model.n_layers)) as sim:
+        peak = sim.step(512).peak_bytes
+    floor = device_floor(cfg, 2, model)
+    logits = 512 // (1 if strategy == "none" else 2) * 16384 * 8  # (none: 2 dp ranks)
+    assert logits < floor <= peak, (floor, peak)
 
 
 @pytest.mark.parametrize("first", [1, 16])

@@ -108,13 +108,16 @@ def device_floor(cfg, world: int, model) -> int:
     """Bytes every rank's device holds for certain in a step of `cfg` (a `TrainConfig`) on
     `world` ranks, of `model`'s shapes (`upipe.train.fits.state_bytes`'s terms): the
     weights, gradients and AdamW states (4 P e_m, / world with FSDP; none with
-    --fsdp-offload, which keeps them on the host) and the logits without the chunked loss
-    (B L V e_c). Used only to choose the first length tried (`max_fitting`'s `first`)."""
+    --fsdp-offload, which keeps them on the host) and, without the chunked loss, the rank's
+    B L V logits in fp32 and their log-softmax, both live while the loss's log_softmax runs
+    (`upipe.loss.cross_entropy_sum` and transformers' loss upcast the logits first): 8 B L V
+    bytes in any compute dtype. Used only to choose the first length tried (`max_fitting`'s
+    `first`)."""
     from upipe.train.config import DTYPES
 
-    e_m, e_c = DTYPES[cfg.master_dtype].itemsize, DTYPES[cfg.dtype].itemsize
+    e_m = DTYPES[cfg.master_dtype].itemsize
     P = model.num_params()
     state = 0 if cfg.fsdp_offload else 4 * P * e_m // (world if cfg.fsdp else 1)
     dp, ring, uly = cfg.degrees(world)
     logits = 0 if cfg.chunked_loss else cfg.batch_size * cfg.seq_len // (ring * uly)
-    return state + logits * model.vocab_size * e_c
+    return state + logits * model.vocab_size * (4 + 4)
