@@ -34,6 +34,11 @@ def test_search_finds_the_exact_boundary(peak, step):
     assert len(seen) <= 16  # a search, not a scan
     for first in (2, 16, 1000):  # where it starts changes the lengths tried, not the answer
         assert max_fitting(peak, budget, step, limit, first=first)[0] == expect
+    # a length known not to fit (`over`, as the planner's lower bound gives it) keeps the
+    # answer and bounds the lengths tried
+    for over in {expect // step + 1, expect // step + 2, 2 * expect // step + 3}:
+        best, seen = max_fitting(peak, budget, step, limit, over=over)
+        assert best == expect and max(seen, default=0) < over * step
     values = [peak(k * step) for k in range(1, limit // step + 1)]
     assert values == sorted(values)  # the functions searched are monotonic
 

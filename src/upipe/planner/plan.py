@@ -250,9 +250,10 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
         for ring, U in _stage_candidates(pc, spec, model):
             for feat in pc.features:
                 fsdp = default_fsdp(pc.device) if pc.fsdp is None else pc.fsdp
-                kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": fsdp, "dtype": pc.dtype}
+                dtype = pc.dtype or default_dtype(pc.device)
+                kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": fsdp, "dtype": dtype}
                 kw["document_mask"] = pc.document_mask
-                kw["master_dtype"] = pc.dtype if pc.hf_config else pc.master_dtype
+                kw["master_dtype"] = dtype if pc.hf_config else pc.master_dtype
                 kw["batch_size"] = pc.batch_size
                 kw["model"], kw["seq_len"] = pc.model, _step(pc)
                 label = strategy
@@ -399,8 +400,8 @@ def plan(pc: PlanConfig, progress=None) -> dict:
 
 def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict) -> dict:
     """The longest fitting sequence of one candidate, with the peaks measured on the way
-    (`search.max_fitting`: from `GROWTH` steps, or 1 where `device_floor` says that many
-    cannot fit)."""
+    (`search.max_fitting`: from `GROWTH` steps, or from 1 step and below the first length
+    `device_floor` rules out)."""
     cfg = TrainConfig(**kw, plot=None)
     step = _step(pc)
     depths = simulated_depths(pc, cfg, model) if pc.extrapolate else None
@@ -418,17 +419,21 @@ def _search(pc: PlanConfig, model, budget: float, label: str, kw: dict) -> dict:
             return (m.peak_bytes / budget, m.host_peak_bytes / host_budget, *phases)
 
         probe = min(GROWTH, pc.max_seq_len // step)
-        floor = device_floor(dataclasses.replace(cfg, seq_len=probe * step), pc.gpus, model)
-        first = 1 if floor > budget else probe
-        best, _ = max_fitting(used, 1.0, step, pc.max_seq_len, first=first)
-    beyond = mems.get(best + step)  # measured unless best is the limit
+        floors = (  # (k, the bound at k steps), up to the first length the bound rules out
+            (k, device_floor(dataclasses.replace(cfg, seq_len=k * step), pc.gpus, model))
+            for k in range(2, probe + 1)  # (one step is simulated whatever: its peak is shown)
+        )
+        over = next((k for k, floor in floors if floor > budget), None)
+        first = probe if over is None else 1
+        best, _ = max_fitting(used, 1.0, step, pc.max_seq_len, first=first, over=over)
+    beyond = mems.get(best + step)  # measured unless best is the limit or the bound's `over`
     row = {
         "max_seq_len": best,
         "limited_by": (
             "max_seq_len"
-            if beyond is None
+            if best + step > pc.max_seq_len
             else "device memory"
-            if beyond.peak_bytes > budget
+            if beyond is None or beyond.peak_bytes > budget
             else "host memory"
         ),
         "seconds": round(time.perf_counter() - start, 2),

@@ -44,14 +44,17 @@ def max_fitting(
     max_len: int,
     *,
     first: int = 1,
+    over: int | None = None,
 ):
     """Largest multiple S of `step` (<= max_len) with peak(S) <= budget, for a `peak` that
     does not decrease with S; 0 if not even `step` fits. Returns (S, {S: peak(S) measured}).
 
     `peak` may return several parts (each non-decreasing; S fits if all are within the
     budget): each part's line is followed on its own (module doc). `first`: the first
-    length tried, in steps (then 2 first, then the lines' guesses). The answer is exact: S
-    fits and S + step does not (or S is the limit)."""
+    length tried, in steps (then 2 first, then the lines' guesses). `over`: a length in
+    steps known not to fit (by a lower bound of the peak, `device_floor`), so the search
+    stays below it and grows by doubling until a second length is known. The answer is
+    exact: S fits and S + step does not (or S is the limit)."""
     seen: dict[int, float | Sequence[float]] = {}
 
     def value(k: int):
@@ -62,7 +65,8 @@ def max_fitting(
     k_max = max_len // step
     if k_max < 1:
         return 0, seen
-    lo, hi = 0, k_max + 1  # lo fits (0: nothing does yet); hi does not (beyond the limit)
+    # lo fits (0: nothing does yet); hi does not (beyond the limit, or `over`)
+    lo, hi = 0, min(k_max + 1, over or k_max + 1)
     order, slow = [], 0
     guess = max(1, min(first, k_max))
     while hi - lo > 1:
@@ -78,20 +82,22 @@ def max_fitting(
         line = len(order) >= 2  # (k was a line's guess, not the first nor one step)
         order.append(k)
         slow = slow + 1 if line and bracketed and 2 * (hi - lo) > width else 0
-        guess = _next_guess(order, value, budget, lo, hi)
+        guess = _next_guess(order, value, budget, lo, hi, below_over=over is not None)
     return lo * step, seen
 
 
-def _next_guess(order: list[int], value, budget: float, lo: int, hi: int) -> int:
+def _next_guess(
+    order: list[int], value, budget: float, lo: int, hi: int, below_over: bool = False
+) -> int:
     """Where to look next: below the first length if nothing fits yet; beyond the only
-    length known, twice it and at least `GROWTH`; else where the first part's line through
-    the last two lengths meets the budget, rounded up between a length that fits and one
-    that does not (module doc), down beyond both (if every part is flat so far, `GROWTH`
-    times the longest that fits)."""
+    length known, twice it and at least `GROWTH` (`below_over`: twice it); else where the
+    first part's line through the last two lengths meets the budget, rounded up between a
+    length that fits and one that does not (module doc), down beyond both (if every part is
+    flat so far, `GROWTH` times the longest that fits)."""
     if lo == 0:
         return 1
-    if len(order) < 2:
-        return max(2 * lo, GROWTH)
+    if len(order) < 2:  # (one length, which fits)
+        return 2 * lo if below_over else max(2 * lo, GROWTH)
     a, b = order[-2], order[-1]
     crossings = []
     for ya, yb in zip(value(a), value(b), strict=True):
