@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -179,9 +180,12 @@ def test_a_failed_save_publishes_nothing_and_says_so(clusters, tmp_path):
 def test_nonfinite_gradient_stops_the_run_naming_the_step(clusters):
     cfg = small_config(strategy="upipe", steps=3)
     message = clusters(2).run(nan_gradient, cfg, 1)[0]
-    assert message.startswith(
-        "NonFiniteError: step 2: the loss is 5."  # finite: the NaN is in the gradient
-    ) and ", the gradient norm nan; stopped before the update" in _one_line(message)
+    said = re.match(  # the loss finite (whatever the data makes it): the NaN is in the gradient
+        r"NonFiniteError: step 2: the loss is ([0-9.]+), the gradient norm nan; stopped before "
+        r"the update",
+        _one_line(message),
+    )
+    assert said and 0 < float(said[1]) < 10, message
 
 
 @pytest.mark.slow
@@ -194,9 +198,8 @@ def test_skip_nonfinite_steps_leaves_weights_and_optimizer_as_they_were(clusters
     )  # no clipping: the norm from get_total_norm
     res = clusters(2).run(nan_gradient, cfg, 1)[0]
     assert res["skipped"][0] is None and res["skipped"][2] is None
-    assert (
-        res["skipped"][1].startswith("the loss is 5.") and "gradient norm nan" in res["skipped"][1]
-    )
+    said = re.fullmatch(r"the loss is ([0-9.]+), the gradient norm nan", res["skipped"][1])
+    assert said and 0 < float(said[1]) < 10, res["skipped"][1]
     assert res["unchanged"] is True
     assert res["lrs"] == pytest.approx([cfg.lr / 3, 2 * cfg.lr / 3, cfg.lr])
     assert 0 < res["last_loss"] < 6

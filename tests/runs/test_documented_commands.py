@@ -126,7 +126,15 @@ def directories(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("command", RUN, ids=[c.where for c in RUN])
+# the commands of one code block on one xdist worker, in their order (a block's checkpoint
+# written by one command is resumed by the next, in the block's directory of that worker)
+BLOCKS = [
+    pytest.param(c, marks=pytest.mark.xdist_group(f"{c.where.split(':')[0]}#{c.block}"))
+    for c in RUN
+]
+
+
+@pytest.mark.parametrize("command", BLOCKS, ids=[c.where for c in RUN])
 def test_documented_command_runs(command, directories, monkeypatch, capfd):
     why = _skip_reason(command.text)
     if why:
