@@ -51,7 +51,7 @@ KEEP_FIRST = {"plan": ("--strategies", "--features")}  # lists cut to their firs
 SKIPPED = {
     r"^make train$": "make installs .venv first (pip: a download); the `upipe train` it runs, "
     "with the same defaults, runs here as README's first upipe command",
-    r"^make test$": "the whole suite (about 30 min)",
+    r"^make test$": "the whole suite (about 35 min)",
     r"--tokenizer tok/ --data docs\.jsonl": "needs a local tokenizer directory and a data file "
     "(docs/data.md)",
     r"--init-from-hf \./Qwen3-0\.6B": "needs a Hugging Face model directory (a download)",
