@@ -288,8 +288,7 @@ def test_layer_types_choose_each_layers_window():
 def test_training_a_mixed_stack_equals_one_process(clusters, world, kw):
     """tiny-sliding (window 64 on layers 0 and 2, full attention on 1 and 3) over 128
     tokens: losses and every gradient as in one process."""
-    from test_train import _check as check_training
-    from train_workers import small_config, train_steps
+    from train_workers import check_training, small_config, train_steps
 
     ref = clusters(1).run(train_steps, small_config(model="tiny-sliding", strategy="none"))[0]
     check_training(

@@ -5,10 +5,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from corpus import corpus_path
+from tolerances import grad_errors
 
 from upipe.train import TrainConfig, Trainer
 
 CORPUS = corpus_path()  # (made-up text, the same after every edit: `corpus`)
+
+
+LOSS_TOL, GRAD_TOL = 1e-5, 2e-5  # one run's losses and step-1 gradients vs another's
+
+
+def check_training(res, ref) -> None:
+    """`train_steps`' results `res` equal `ref`'s: every loss within LOSS_TOL, every
+    parameter's step-1 gradient within GRAD_TOL (relative)."""
+    for a, b in zip(res["losses"], ref["losses"], strict=True):
+        assert abs(a - b) / abs(b) < LOSS_TOL, (res["losses"], ref["losses"])
+    for name, err in grad_errors(res["grads"], ref["grads"]).items():
+        assert err < GRAD_TOL, name
 
 
 def small_config(**kw) -> TrainConfig:
