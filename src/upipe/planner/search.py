@@ -15,7 +15,8 @@ What it rests on (and what `tests/runs/test_plan.py` and `tests/runs/test_plan_s
 The first length tried is `first` steps (the planner's 16: 1M tokens at the default 64K
 granularity, where the memory features' plans are linear already), then twice that (at
 least 16), so that the line through the two is the last piece's; a length that cannot fit
-by a lower bound of the memory (`device_floor`) is not tried first. A line's crossing
+by a lower bound of the memory (`device_floor`) is not tried (`over`: the search starts at
+one step and doubles below it). A line's crossing
 between a length that fits and one that does not is rounded up: where a part is convex (a
 simulated depth's peak is the largest of sums that each grow linearly) the chord lies
 above it and meets the budget early, so the answer is at least the crossing rounded down
@@ -117,8 +118,8 @@ def device_floor(cfg, world: int, model) -> int:
     --fsdp-offload, which keeps them on the host) and, without the chunked loss, the rank's
     B L V logits in fp32 and their log-softmax, both live while the loss's log_softmax runs
     (`upipe.loss.cross_entropy_sum` and transformers' loss upcast the logits first): 8 B L V
-    bytes in any compute dtype. Used only to choose the first length tried (`max_fitting`'s
-    `first`)."""
+    bytes in any compute dtype. Used only to bound the search (`max_fitting`'s `first` and
+    `over`)."""
     from upipe.train.config import DTYPES
 
     e_m = DTYPES[cfg.master_dtype].itemsize
