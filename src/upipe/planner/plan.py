@@ -245,12 +245,11 @@ def candidates(pc: PlanConfig, model) -> list[tuple[str, dict, str | None]]:
         from upipe.planner.hf import HF_STRATEGIES
 
         strategies = tuple(s for s in strategies if s in HF_STRATEGIES)
+    fsdp, dtype = _train_defaults(pc)
     for strategy in strategies:
         spec = get_strategy(strategy)
         for ring, U in _stage_candidates(pc, spec, model):
             for feat in pc.features:
-                fsdp = default_fsdp(pc.device) if pc.fsdp is None else pc.fsdp
-                dtype = pc.dtype or default_dtype(pc.device)
                 kw = {"strategy": strategy, "nproc": pc.gpus, "fsdp": fsdp, "dtype": dtype}
                 kw["document_mask"] = pc.document_mask
                 kw["master_dtype"] = dtype if pc.hf_config else pc.master_dtype
@@ -330,11 +329,16 @@ def resolved(pc: PlanConfig) -> PlanConfig:
     else:
         memory, reserve = pc.gpu_memory_gib or CUDA_MEMORY_GIB, CUDA_RESERVE_GIB
     reserve = reserve if pc.reserve_gib is None else pc.reserve_gib
-    fsdp = default_fsdp(pc.device) if pc.fsdp is None else pc.fsdp
-    dtype = pc.dtype or default_dtype(pc.device)
+    fsdp, dtype = _train_defaults(pc)
     return dataclasses.replace(
         pc, gpu_memory_gib=round(memory, 3), reserve_gib=reserve, fsdp=fsdp, dtype=dtype
     )
+
+
+def _train_defaults(pc: PlanConfig) -> tuple[bool, str]:
+    """(--fsdp, --dtype) of `pc`, `upipe train`'s defaults for its device where not given."""
+    fsdp = default_fsdp(pc.device) if pc.fsdp is None else pc.fsdp
+    return fsdp, pc.dtype or default_dtype(pc.device)
 
 
 def checked(pc: PlanConfig):
