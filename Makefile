@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,hf,train,integrations,jax]'
 	touch $@
 
-.PHONY: train demo test test-fast test-explore test-torch lint
+.PHONY: train demo test test-fast test-exhaustive test-explore test-torch lint
 train: $(VENV)/.installed
 	$(VENV)/bin/upipe train
 
@@ -27,12 +27,18 @@ demo: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
+# everything but the exhaustive tier: each claim on its representative cases
 test: lint
-	$(PY) -m pytest -q $(XDIST) --durations=25
+	$(PY) -m pytest -q $(XDIST) -m "not exhaustive" --durations=25
+
+# the rest of the matrices (every case of the planner's shortcut equalities, every documented
+# command, each a pytest.mark.exhaustive); CI runs it after `make test`
+test-exhaustive: $(VENV)/.installed
+	$(PY) -m pytest -q $(XDIST) -m exhaustive --durations=25
 
 # the edit loop: tests/unit and tests/distributed, less the tests marked slow (tests/runs is all
 # slow: training runs, planner simulations, subprocess CLIs)
-FAST = tests/unit tests/distributed -m "not slow"
+FAST = tests/unit tests/distributed -m "not slow and not exhaustive"
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest $(FAST) -q $(XDIST) --durations=10
 

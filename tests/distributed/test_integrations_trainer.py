@@ -133,6 +133,7 @@ def _check_against(reference, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (the default run: the same check with the memory features, below)
 def test_losses_and_checkpoints_match_the_unmodified_model(model_dir, reference, tmp_path):
     """Under torchrun, 2 ranks, UPipe, no memory features (the model returns the logits, its
     loss function is upipe's): the Trainer with the documents of a batch packed into one row
@@ -159,6 +160,7 @@ def test_memory_features_match_the_unmodified_model(reference, with_features):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (the default run: upipe's own trainer resumes, tests/runs/test_train.py)
 def test_checkpoint_with_memory_features_resumes(model_dir, with_features, tmp_path):
     """torchrun, 2 ranks, the Trainer with the features resumed from the step-2 checkpoint of
     the uninterrupted run: steps 3 and 4 give its losses, and the same weights at step 4."""

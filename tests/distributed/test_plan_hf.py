@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import matrix
 
 from upipe.cli import main
 from upipe.planner.hf import (
@@ -45,8 +46,11 @@ def candidate(world=2, dtype="bfloat16", **kw) -> TrainConfig:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "hf,kw",
-    [(TINY, {}), (TINY_QWEN3, {**FEATURES, "blocks_per_checkpoint": 2})],
-    ids=["plain", "qwen3-features"],
+    matrix(
+        [(TINY, {}), (TINY_QWEN3, {**FEATURES, "blocks_per_checkpoint": 2})],
+        ["plain", "qwen3-features"],
+        default={"qwen3-features"},
+    ),
 )
 def test_simulated_peak_equals_real_run(clusters, hf, kw):
     """The model of `hf` converted, sharded and stepped for real on 2 gloo ranks (fp32, the
@@ -76,6 +80,7 @@ def slopes(S=(16384, 32768), **kw):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (the default run: the simulated peak with the options = a real run's)
 def test_options_move_the_peak_as_their_formulas_say():
     """Per token of a rank, bf16 (e = 2 bytes), D = 64, F = 192, V = 1024, 3 layers:
     - offload: the host holds the arena of the n = 3 checkpointed inputs (n D e exactly),

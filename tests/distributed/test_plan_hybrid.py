@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from tiers import matrix
 
 pytest.importorskip("transformers")
 
@@ -101,8 +102,11 @@ def candidate(world=2, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"strategy": "ulysses", "heads_per_stage": None, **FEATURES}],
-    ids=["upipe", "ulysses-features"],
+    matrix(
+        [({},), ({"strategy": "ulysses", "heads_per_stage": None, **FEATURES},)],
+        ["upipe", "ulysses-features"],
+        default={"ulysses-features"},
+    ),
 )
 def test_simulated_peak_equals_real_run(clusters, kw):
     """The tiny Qwen3-Next converted, sharded and stepped for real on 2 gloo ranks (bf16: the
@@ -194,6 +198,7 @@ def test_depths_step_by_whole_layer_patterns():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (the default run: the dense depth shortcut, tests/runs/test_plan.py)
 def test_extrapolated_depth_equals_full_depth():
     """A hybrid of a 2-layer pattern (Gated DeltaNet, then attention), 10 layers: its peak
     and host bytes extrapolated from 6 and 8 layers (3 and 4 patterns) equal the full

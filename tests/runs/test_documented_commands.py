@@ -51,7 +51,7 @@ KEEP_FIRST = {"plan": ("--strategies", "--features")}  # lists cut to their firs
 SKIPPED = {
     r"^make train$": "make installs .venv first (pip: a download); the `upipe train` it runs, "
     "with the same defaults, runs here as README's first upipe command",
-    r"^make test$": "the whole suite (about 35 min)",
+    r"^make test(-exhaustive)?$": "the whole suite",
     r"--tokenizer tok/ --data docs\.jsonl": "needs a local tokenizer directory and a data file "
     "(docs/data.md)",
     r"--init-from-hf \./Qwen3-0\.6B": "needs a Hugging Face model directory (a download)",
@@ -127,9 +127,14 @@ def directories(tmp_path_factory):
 
 
 # the commands of one code block on one xdist worker, in their order (a block's checkpoint
-# written by one command is resumed by the next, in the block's directory of that worker)
+# written by one command is resumed by the next, in the block's directory of that worker);
+# the README's in the default run, those of docs/ in the exhaustive tier
 BLOCKS = [
-    pytest.param(c, marks=pytest.mark.xdist_group(f"{c.where.split(':')[0]}#{c.block}"))
+    pytest.param(
+        c,
+        marks=[pytest.mark.xdist_group(f"{c.where.split(':')[0]}#{c.block}")]
+        + ([] if c.where.startswith("README.md:") else [pytest.mark.exhaustive]),
+    )
     for c in RUN
 ]
 

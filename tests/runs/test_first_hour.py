@@ -171,6 +171,7 @@ def test_a_dead_node_is_one_line_naming_it(tmp_path):
     assert "Traceback" in log and "RuntimeError" in log
 
 
+@pytest.mark.exhaustive  # (the default run: a dead node, above, is one line naming it)
 def test_nodes_started_with_different_options_name_the_flag(tmp_path):
     """The same two nodes, one started with --seq-len 128 and the other with 256: both stop
     before the first step; the error names --seq-len and each rank's value (which node is

@@ -39,6 +39,7 @@ def test_bytes_per_parameter(clusters, world, kw, per_param, dtypes):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (120 training steps; the default run: the masters' bytes and FSDP2's)
 def test_bf16_compute_with_fp32_masters_tracks_fp32(clusters):
     """40 steps at lr 1e-3 (one process, 512 tokens): bf16 compute with fp32 masters stays
     within half a bf16 ulp (2^-9 relative) of the fp32 loss at every step, which is as close

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from plan_workers import assert_simulated_peak_equals_real
+from tiers import matrix
 from train_workers import small_config
 
 from upipe.planner.plan import EXTRAPOLATION_DEPTHS, PlanConfig, max_fitting, plan, table
@@ -71,20 +72,23 @@ CASES = [
 ]
 
 
+DEPTH_CASES = [
+    ("ulysses", {}),
+    ("ulysses", {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 256,
+                 "fsdp": True, "chunked_loss": True, "loss_chunk": 256, "offload": True}),
+    ("upipe", {"activation_checkpoint": True, "fsdp": True}),
+    ("ring", {"tiled_mlp": True, "mlp_tile": 256}),
+    ("upipe", {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 256,
+               "offload": True, "blocks_per_checkpoint": 2, "keep_on_gpu": 1}),
+    ("ulysses", {"activation_checkpoint": True, "blocks_per_checkpoint": 3, "fsdp": True}),
+]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,kw",
-    [
-        ("ulysses", {}),
-        ("ulysses", {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 256,
-                     "fsdp": True, "chunked_loss": True, "loss_chunk": 256, "offload": True}),
-        ("upipe", {"activation_checkpoint": True, "fsdp": True}),
-        ("ring", {"tiled_mlp": True, "mlp_tile": 256}),
-        ("upipe", {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 256,
-                   "offload": True, "blocks_per_checkpoint": 2, "keep_on_gpu": 1}),
-        ("ulysses", {"activation_checkpoint": True, "blocks_per_checkpoint": 3, "fsdp": True}),
-    ],
-)  # fmt: skip
+    matrix(DEPTH_CASES, [f"{s}-kw{i}" for i, (s, _) in enumerate(DEPTH_CASES)], {"ulysses-kw1"}),
+)
 def test_extrapolated_depth_equals_full_depth(strategy, kw):
     """The planner's shortcut: 3 and 4 checkpoints (+ the kept ones, + a shorter last one)
     extrapolated to the full depth give its device peak and host bytes (8 blocks; 13 with
@@ -108,22 +112,29 @@ def test_extrapolated_depth_equals_full_depth(strategy, kw):
         assert memory(short) == want
 
 
+SAMPLED_CASES = [
+    ("ulysses", 4, {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 96,
+                    "fsdp": True, "chunked_loss": True, "loss_chunk": 64, "offload": True}),
+    ("upipe", 4, {"tiled_mlp": True, "mlp_tile": 128, "chunked_loss": True,
+                  "loss_chunk": 96}),
+    ("ring", 4, {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 64}),
+    ("usp", 8, {"ring": 4, "tiled_mlp": True, "mlp_tile": 128}),
+    ("upipe", 8, {"ring": 4}),  # each UPipe stage a ring
+    # bf16 with fp32 masters: the fused op's row chunks (the output projection, and dx
+    # summed over the stages' parts), tiles too
+    ("upipe", 4, {"dtype": "bfloat16", "fsdp": True, "activation_checkpoint": True}),
+]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,world,kw",
-    [
-        ("ulysses", 4, {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 96,
-                        "fsdp": True, "chunked_loss": True, "loss_chunk": 64, "offload": True}),
-        ("upipe", 4, {"tiled_mlp": True, "mlp_tile": 128, "chunked_loss": True,
-                      "loss_chunk": 96}),
-        ("ring", 4, {"activation_checkpoint": True, "tiled_mlp": True, "mlp_tile": 64}),
-        ("usp", 8, {"ring": 4, "tiled_mlp": True, "mlp_tile": 128}),
-        ("upipe", 8, {"ring": 4}),  # each UPipe stage a ring
-        # bf16 with fp32 masters: the fused op's row chunks (the output projection, and dx
-        # summed over the stages' parts), tiles too
-        ("upipe", 4, {"dtype": "bfloat16", "fsdp": True, "activation_checkpoint": True}),
-    ],
-)  # fmt: skip
+    matrix(
+        SAMPLED_CASES,
+        [f"{s}-{w}-kw{i}" for i, (s, w, _) in enumerate(SAMPLED_CASES)],
+        default={"upipe-4-kw1", "ring-4-kw2"},
+    ),
+)
 def test_sampled_loops_give_the_worst_rank(strategy, world, kw):
     """The simulator's other shortcut (`upipe.planner.sampled`): tile loops -- the tiled
     MLP's, the chunked loss's, the fused UPipe op's row chunks -- run two tiles, a ring its
@@ -243,6 +254,7 @@ def test_plan_on_cpu_predicts_a_real_run(clusters, model, strategy, features, fs
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (Llama3-8B's simulated steps, for docs/plan.md's units)
 def test_block_backward_units():
     """The squeezed block backward (docs/plan.md): Llama3-8B on 8 x 80 GiB with every memory
     feature, bf16 with fp32 masters: [L, D] bf16 units at the step's device peak (its growth

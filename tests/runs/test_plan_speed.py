@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from tiers import matrix
 
 from upipe.model import get_config
 from upipe.planner.counts import count_in
@@ -53,21 +54,30 @@ CASES = _covering()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,label,kw", CASES, ids=[f"{w}-{label}" for w, label, _ in CASES])
+@pytest.mark.parametrize(
+    "world,label,kw",
+    matrix(CASES, [f"{w}-{label}" for w, label, _ in CASES], default={"2-upipe U=4 +features"}),
+)
 def test_counts_in_the_memory_simulator_equal_count_step(world, label, kw):
     """Every count (FLOPs, collective bytes, host copies, memory-bound bytes) at 1024 tokens
     (whole tiles and chunks, 16 per rank: on the lattice, where `count_in` counts the length
     itself with the tiles after the second repeated), every strategy and memory feature set
     (checkpoints of 2 blocks, kept inputs, FSDP2's offload, attention outputs kept or
     offloaded): the same integers. The memory step at that length runs first, as in
-    `--recommend`."""
+    `--recommend`.
+
+    The same simulator also checks its warm-up (`step._warm_up`: FSDP2's units unsharded and
+    resharded, one optimizer step on zero gradients, no forward or backward): the memory
+    step right after it equals the one after the whole steps `count_in` ran -- every field
+    of `StepMemory`, the largest tensors at the peak included."""
     cfg = TrainConfig(**kw, plot=None)
     depths = extrapolation_depths(cfg, MODEL.n_layers)
     S, unit = 8 * 128, kw["seq_len"]
     want = count_step(cfg, world, MODEL, S, unit=unit, depths=depths)
     with StepSimulator(cfg, world, MODEL, depths=depths) as sim:
-        sim.step(S)
+        first = sim.step(S, explain=True)
         got = count_in(sim, cfg, world, MODEL, S, unit=unit, depths=depths)
+        assert sim.step(S, explain=True) == first
     assert got == want
 
 
@@ -78,7 +88,12 @@ OFF_LATTICE = [case for case in CASES if case[1] in (
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world,label,kw", OFF_LATTICE, ids=[f"{w}-{label}" for w, label, _ in OFF_LATTICE]
+    "world,label,kw",
+    matrix(
+        OFF_LATTICE,
+        [f"{w}-{label}" for w, label, _ in OFF_LATTICE],
+        default={"4-usp 2x2 +loss+recompute+keep"},
+    ),
 )
 def test_counts_off_the_lattice_equal_count_step(world, label, kw):
     """Off `count_step`'s lattice (1056 tokens: 16.5 MLP tiles and loss chunks per rank)
@@ -95,21 +110,17 @@ def test_counts_off_the_lattice_equal_count_step(world, label, kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world,label,kw,kernels",
-    [(*case, "cuda") for case in CASES] + [(*case, "cpu") for case in CASES[2:4]],
-    ids=[f"{w}-{label}" for w, label, _ in CASES] + [f"cpu-{w}-{n}" for w, n, _ in CASES[2:4]],
+    "world,label,kw",
+    matrix(CASES[2:4], [f"{w}-{n}" for w, n, _ in CASES[2:4]], default={"2-ulysses"}),
 )
-def test_warm_up_leaves_what_a_step_leaves(world, label, kw, kernels):
-    """A measured step right after the simulator's warm-up (`step._warm_up`: FSDP2's units
-    unsharded and resharded, one optimizer step on zero gradients, no forward or backward)
-    equals one after a whole unmeasured step at the shortest length (the warm-up the
-    simulator ran before): every field of `StepMemory`, the largest tensors at the peak
-    included, for every strategy and memory feature set, on CUDA's kernels and on the CPU's
-    without FSDP (fp32 masters beside the bf16 model)."""
-    cpu = dict(fsdp=False) if kernels == "cpu" else {}
-    cfg = TrainConfig(**{**kw, **cpu}, plot=None)
+def test_warm_up_leaves_what_a_step_leaves_on_cpu_kernels(world, label, kw):
+    """The warm-up check of `test_counts_in_the_memory_simulator_equal_count_step` (on CUDA's
+    kernels, every case there) on the CPU's kernels without FSDP (fp32 masters beside the
+    bf16 model): a measured step right after the warm-up equals one after a whole unmeasured
+    step at the shortest length."""
+    cfg = TrainConfig(**{**kw, "fsdp": False}, plot=None)
     depths = extrapolation_depths(cfg, MODEL.n_layers)
-    with StepSimulator(cfg, world, MODEL, depths=depths, kernels=kernels) as sim:
+    with StepSimulator(cfg, world, MODEL, depths=depths, kernels="cpu") as sim:
         first = sim.step(1024, explain=True)
         sim.step(sim._shortest())  # a whole step, unmeasured
         assert sim.step(1024, explain=True) == first
@@ -160,6 +171,7 @@ def test_search_with_parts_finds_the_exact_boundary(first):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (the default run: test_plan.py's boundaries of two plans)
 def test_plan_answers_equal_a_scan_of_every_length():
     """`plan`'s answers (from 16 steps, per-part guesses, the lower bound's first length) are
     those of simulating every multiple of the granularity up to the limit, for candidates

@@ -8,6 +8,7 @@ import dataclasses
 import shlex
 
 import pytest
+from tiers import matrix
 
 from upipe.cli import build_parser, main
 from upipe.cli.options import config_from_args
@@ -74,7 +75,10 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,kw", CASES)
+@pytest.mark.parametrize(
+    "strategy,kw",
+    matrix(CASES, [f"{s}-kw{i}" for i, (s, _) in enumerate(CASES)], {"upipe-kw2", "ring-kw4"}),
+)
 def test_counts_equal_closed_forms(strategy, kw):
     counts = count_step(_config(strategy, **kw), C, MODEL, S, unit=UNIT, depths=(3, 4))
     flags = [kw.get(f, False) for f in ("activation_checkpoint", "tiled_mlp")]
@@ -91,6 +95,36 @@ def test_counts_equal_closed_forms(strategy, kw):
         assert counts["host_to_device_bytes"] == 2 * block_input
     else:
         assert counts["device_to_host_bytes"] == counts["host_to_device_bytes"] == 0
+
+
+KEPT = ["upipe", "ulysses", "ring"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", matrix([(s,) for s in KEPT], KEPT, {"ring"}))
+def test_time_model_counts_one_attention_forward(strategy):
+    """The planner's counts of a checkpointed step with `keep` (the closed forms
+    above): the attention forward FLOPs of one forward per layer and step (those of a step
+    without checkpointing), the backward's unchanged; the fused UPipe op's recomputation
+    also skips the q/k/v projections and their all-to-alls, the ring's its ring pass."""
+    S = 256
+    cfg = _config(strategy, activation_checkpoint=True, attention_outputs="keep")
+    kept = count_step(cfg, C, MODEL, S, unit=UNIT, depths=(3, 4))
+    recompute, plain = _closed_forms(strategy, True), _closed_forms(strategy, False)
+    assert kept["attention_forward_flops"] == plain["attention_forward_flops"]
+    assert kept["attention_forward_flops"] * 2 == recompute["attention_forward_flops"]
+    assert kept["attention_backward_flops"] == recompute["attention_backward_flops"]
+    D, H, G, d, n = (getattr(MODEL, a) for a in ("hidden_size", "n_heads", "n_kv_heads",
+                     "head_dim", "n_layers"))  # fmt: skip
+    L = S // C
+    qkv = 2 * L * D * (H + 2 * G) * d  # the fused forward's projections, per layer
+    fused = strategy == "upipe"
+    assert kept["gemm_flops"] == recompute["gemm_flops"] - n * qkv * fused
+    a2a = plain if fused else recompute  # the fused op's recomputation exchanges nothing
+    assert kept.get("all_to_all@0,1", 0) == a2a["all_to_all"]
+    if strategy == "ring":  # per layer: the k/v block sent once in the forward (C = 2) and
+        kv, dkv = 2 * L * G * d * 2, 2 * L * G * d * 4  # once in backward, with C fp32 dk/dv
+        assert kept["send@0,1"] == n * (2 * kv + C * dkv)  # (recompute: 3 kv)
 
 
 @pytest.mark.slow
@@ -115,6 +149,7 @@ def test_fsdp_bytes():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # (the fits' exactness by default: test_plan_speed's count equality)
 def test_fits_are_exact_at_a_fourth_length_and_full_depth():
     """The parabola through three lengths and the line through two depths give what the
     full-depth model counts at a fourth length (every count, bytes included)."""
