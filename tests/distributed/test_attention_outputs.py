@@ -71,6 +71,7 @@ def test_every_strategy_with_documents_fp32(clusters, short_documents, world, kw
     _check(clusters(world).run(modes, cfg, runs))
 
 
+@pytest.mark.slow  # (8-12 s a case)
 @pytest.mark.parametrize(
     "kw,m",
     [

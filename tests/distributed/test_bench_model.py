@@ -110,6 +110,7 @@ def test_model_options_are_checked():
             run_bench(bad, quiet=True)
 
 
+@pytest.mark.slow  # (8 s)
 def test_hybrid_model_agrees_with_the_unsharded_model(clusters):
     """--hybrid: a Qwen3-Next (a Gated DeltaNet layer, then gated full attention) under
     apply_context_parallel's methods; ALST's are skipped with the reason."""

@@ -94,6 +94,7 @@ def test_overlap_is_exact_and_its_memory_measured(clusters, C, G, U, dtype):
         assert extra <= (8 + w) * U / H, extra
 
 
+@pytest.mark.slow  # (torch.compile: 5-7 s a strategy)
 @pytest.mark.parametrize("strategy", ["upipe", "ulysses", "ring"])
 def test_torch_compile_around_the_layer(clusters, strategy):
     """A model holding the layer compiles (aot_eager: dynamo + AOTAutograd, as inductor

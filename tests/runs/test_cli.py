@@ -99,9 +99,12 @@ def test_each_default_is_said_once_and_errors_are_two_lines(capsys):
     [
         (["demo", "--nproc", "2", "--seq-lens", "16384"], "set up", 0, "SIGINT", 130,
          r"upipe demo: stopped by Ctrl-C \(SIGINT\)"),
-        (["bench", "--nproc", "2", "--seq-lens", "16384", "--methods", "ulysses", "upipe",
-          "--json", "", "--plot", ""], "set up", 0, "SIGTERM", 143,
-         "upipe bench: stopped by SIGTERM"),
+        pytest.param(
+            ["bench", "--nproc", "2", "--seq-lens", "16384", "--methods", "ulysses", "upipe",
+             "--json", "", "--plot", ""], "set up", 0, "SIGTERM", 143,
+            "upipe bench: stopped by SIGTERM",
+            marks=pytest.mark.exhaustive,  # (by default: SIGTERM to upipe train, test_train.py)
+        ),
         (["plan", "--device", "cpu", "--model", "tiny", "--gpus", "2", "--strategies", "ulysses",
           "upipe", "--features", "off", "--json", "p.json"], "/3", 3, "SIGINT", 130,
          r"upipe plan: stopped by Ctrl-C \(SIGINT\) after \d+ candidates?; partial results: "

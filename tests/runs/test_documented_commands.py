@@ -65,6 +65,13 @@ SKIPPED = {
 }
 
 
+# the README's commands that run in the exhaustive tier (with those of docs/), and why
+EXHAUSTIVE = {
+    r"^upipe bench$": "every method and every installed peer (the longest README command; "
+    "tests/distributed/test_bench.py runs the bench by default)",
+}
+
+
 def _skip_reason(text: str) -> str | None:
     return next((why for pattern, why in SKIPPED.items() if re.search(pattern, text)), None)
 
@@ -107,7 +114,7 @@ def shrink(argv: tuple[str, ...]) -> list[str]:
 
 
 def test_the_skip_list_is_current():
-    for pattern in SKIPPED:
+    for pattern in (*SKIPPED, *EXHAUSTIVE):
         assert any(re.search(pattern, c.text) for c in RUN), pattern
 
 
@@ -128,12 +135,17 @@ def directories(tmp_path_factory):
 
 # the commands of one code block on one xdist worker, in their order (a block's checkpoint
 # written by one command is resumed by the next, in the block's directory of that worker);
-# the README's in the default run, those of docs/ in the exhaustive tier
+# the README's in the default run (but `EXHAUSTIVE`'s), those of docs/ in the exhaustive tier
 BLOCKS = [
     pytest.param(
         c,
         marks=[pytest.mark.xdist_group(f"{c.where.split(':')[0]}#{c.block}")]
-        + ([] if c.where.startswith("README.md:") else [pytest.mark.exhaustive]),
+        + (
+            [pytest.mark.exhaustive]
+            if not c.where.startswith("README.md:")
+            or any(re.search(pattern, c.text) for pattern in EXHAUSTIVE)
+            else []
+        ),
     )
     for c in RUN
 ]

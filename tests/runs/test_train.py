@@ -213,13 +213,20 @@ def test_cli_demo_path_small(tmp_path):
     assert plot.stat().st_size > 1000 and "loss" in res.stdout
 
 
-@pytest.mark.slow
-def test_cli_bad_option_is_a_message():
-    res = upipe("train", "--nproc", "4", "--master-dtype", "bfloat16")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "--master-dtype bfloat16 is less precise than the compute --dtype" in res.stderr
-    res = upipe("train", "--data", "/nonexistent/corpus")
-    assert res.returncode == 2 and "neither a file nor a directory" in res.stderr
+def test_cli_bad_option_is_a_message(capsys):
+    """Refused in the parent before any rank is spawned: exit status 2 and one message (in
+    this process: `main` is what `upipe` runs)."""
+    from upipe.cli import main
+
+    for argv, said in [
+        (["--nproc", "4", "--master-dtype", "bfloat16"],
+         "--master-dtype bfloat16 is less precise than the compute --dtype"),
+        (["--data", "/nonexistent/corpus"], "neither a file nor a directory"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            main(["train", *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and said in err and "Traceback" not in err, err
 
 
 def test_fsdp_model_never_exists_whole(clusters):
@@ -252,7 +259,12 @@ def test_banner_says_where_the_ulysses_groups_are():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sig,code,by", [("SIGINT", 130, "Ctrl-C (SIGINT)"), ("SIGTERM", 143, "SIGTERM")]
+    "sig,code,by",
+    [
+        # (by default: Ctrl-C to upipe demo and upipe plan, tests/runs/test_cli.py)
+        pytest.param("SIGINT", 130, "Ctrl-C (SIGINT)", marks=pytest.mark.exhaustive),
+        ("SIGTERM", 143, "SIGTERM"),
+    ],
 )
 def test_a_stopped_run_says_so_and_leaks_nothing(tmp_path, sig, code, by):
     """Ctrl-C or SIGTERM during training: one line naming the signal and the resume, exit
