@@ -72,8 +72,9 @@ EXHAUSTIVE = {
 }
 
 
-def _skip_reason(text: str) -> str | None:
-    return next((why for pattern, why in SKIPPED.items() if re.search(pattern, text)), None)
+def _reason(table: dict[str, str], text: str) -> str | None:
+    """The reason of the first pattern of `table` (`SKIPPED`, `EXHAUSTIVE`) found in `text`."""
+    return next((why for pattern, why in table.items() if re.search(pattern, text)), None)
 
 
 RUN = [c for c in documented_commands() if c.block is not None]
@@ -142,8 +143,7 @@ BLOCKS = [
         marks=[pytest.mark.xdist_group(f"{c.where.split(':')[0]}#{c.block}")]
         + (
             [pytest.mark.exhaustive]
-            if not c.where.startswith("README.md:")
-            or any(re.search(pattern, c.text) for pattern in EXHAUSTIVE)
+            if not c.where.startswith("README.md:") or _reason(EXHAUSTIVE, c.text)
             else []
         ),
     )
@@ -153,7 +153,7 @@ BLOCKS = [
 
 @pytest.mark.parametrize("command", BLOCKS, ids=[c.where for c in RUN])
 def test_documented_command_runs(command, directories, monkeypatch, capfd):
-    why = _skip_reason(command.text)
+    why = _reason(SKIPPED, command.text)
     if why:
         pytest.skip(why)
     argv = shrink(command.argv)
