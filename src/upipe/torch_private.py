@@ -46,6 +46,7 @@ _FUNCTIONS = [
     "current_graph_task_id",
     "flash_impls",
     "flatten_mesh",
+    "process_groups",
     "saved_tensor_hooks_active",
     "schema_problem",
     "selective_saved_tensor_hooks",
@@ -137,6 +138,16 @@ def flatten_mesh(mesh, name: str | None = None):
     it for every block of the mesh; the mesh's own flattening creates it once per block."""
     flatten = _private(mesh, "_flatten", "DeviceMesh._flatten")
     return flatten(name) if name is not None else flatten()
+
+
+def process_groups() -> list:
+    """The process groups alive in this process, the default one included
+    (`distributed_c10d._world.pg_map`; torch lists them nowhere public). `upipe.launch` ends
+    the groups a task made with it."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = _private(c10d, "_world", "torch.distributed.distributed_c10d._world")
+    return list(_private(world, "pg_map", "torch.distributed.distributed_c10d._world.pg_map"))
 
 
 def saved_tensor_hooks_active() -> bool:

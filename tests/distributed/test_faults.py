@@ -19,13 +19,16 @@ from pathlib import Path
 
 import pytest
 from fault_workers import (
+    groups_and_threads,
     intact,
+    make_groups,
     nan_gradient,
     pid,
     signal_one_rank,
     train_quietly,
     train_with_file_size_limit,
     train_with_nan_gradient,
+    use_groups,
 )
 from train_workers import small_config
 
@@ -423,6 +426,26 @@ def test_a_task_that_cannot_be_sent_raises_at_once(short_timeout):
         short_timeout.run(pid, threading.Lock())
     assert time.monotonic() - t0 < 10  # not the call's 300 s limit
     assert len(short_timeout.run(pid)) == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_end_groups_ends_the_groups_calls_made_and_their_threads(short_timeout):
+    """A mesh's groups and a group of one rank, made in one call and used in the next, end
+    with `end_groups`, and so do their threads (each idle gloo group wakes 100 times a
+    second); the default group stays."""
+    short_timeout.run(pid)  # the ranks are up (a previous test may have killed them)
+    short_timeout.run(make_groups)  # (once first: a first collective may start threads)
+    short_timeout.end_groups()
+    ended = short_timeout.run(groups_and_threads)
+    made = short_timeout.run(make_groups)
+    assert made[0][0] > made[1][0] > 1  # (rank 0 is also in a group of its own)
+    assert short_timeout.run(use_groups) == [made[0][0] - 1, made[1][0] - 1]  # still there
+    assert short_timeout.end_groups() == [made[0][0] - 1, made[1][0] - 1]
+    assert short_timeout.run(groups_and_threads) == ended
+    assert [n for n, _ in ended] == [1, 1]  # the default group alone
+    assert all(t < t_made for (_, t), (_, t_made) in zip(ended, made, strict=True))
+    short_timeout.close()
+    assert short_timeout.end_groups() == []  # (no ranks: nothing to end, none started)
 
 
 @pytest.mark.slow

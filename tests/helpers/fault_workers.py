@@ -12,8 +12,12 @@ import time
 import torch
 import torch.distributed as dist
 
+import upipe
+from upipe.torch_private import process_groups
 from upipe.train import Trainer, train
 from upipe.train.checkpointing import CheckpointError, newest_intact_checkpoint
+
+_GROUPS: list = []
 
 
 def pid(rank, world_size):
@@ -26,6 +30,26 @@ def signal_one_rank(rank, world_size, victim: int, signum: int):
     if rank == victim:
         os.kill(os.getpid(), signum)
     dist.barrier()
+
+
+def groups_and_threads(rank, world_size):
+    """(process groups alive in this rank, its threads: gloo keeps 3 a group)."""
+    return len(process_groups()), len(os.listdir("/proc/self/task"))
+
+
+def make_groups(rank, world_size):
+    """A mesh's groups and a group of rank 0 alone (kept for `use_groups`); then what
+    `groups_and_threads` sees."""
+    _GROUPS[:] = [upipe.make_mesh(ulysses=world_size)["ulysses"].get_group(), dist.new_group([0])]
+    return groups_and_threads(rank, world_size)
+
+
+def use_groups(rank, world_size):
+    """An all-reduce on each group of `make_groups` this rank is in; how many there are."""
+    mine = [g for g in _GROUPS if g is not dist.GroupMember.NON_GROUP_MEMBER]
+    for group in mine:
+        dist.all_reduce(torch.ones(1), group=group)
+    return len(process_groups()) - 1
 
 
 def sleep(rank, world_size, seconds: float):

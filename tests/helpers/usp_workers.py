@@ -10,15 +10,12 @@ import upipe
 from upipe.attention.common import forget_agreements
 from upipe.comm import seq_to_head, sequence_positions, shard_sequence, unshard_sequence
 
-_MESHES: dict = {}
-
 
 def mesh_of(dims):
-    """The (dp, ring, ulysses) mesh, built once per rank process (a mesh makes groups)."""
-    if dims not in _MESHES:
-        dp, ring, ulysses = dims
-        _MESHES[dims] = upipe.make_mesh(ulysses=ulysses, ring=ring, dp=dp)
-    return _MESHES[dims]
+    """The (dp, ring, ulysses) mesh of this task (its groups end with the task:
+    `upipe.launch`)."""
+    dp, ring, ulysses = dims
+    return upipe.make_mesh(ulysses=ulysses, ring=ring, dp=dp)
 
 
 def run_mesh_functional(rank, world_size, dims, strategy, shape, kwargs, dtype=torch.float32):

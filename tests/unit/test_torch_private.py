@@ -65,6 +65,19 @@ def test_flatten_mesh_and_the_fake_backend():
         assert flat.size() == 4 and dist.get_world_size(flat.get_group()) == 4
 
 
+def test_process_groups_are_the_live_groups():
+    """The default group, then also a mesh's groups until they are destroyed."""
+    with fake_process_group(4) as world:
+        assert tp.process_groups() == [world]
+        mesh = make_mesh(ulysses=2, ring=2)
+        made = [g for g in tp.process_groups() if g is not world]
+        assert {mesh["ring"].get_group(), mesh["ulysses"].get_group()} <= set(made)
+        for group in made:
+            dist.destroy_process_group(group)
+        assert tp.process_groups() == [world]
+    assert tp.process_groups() == []
+
+
 # --- the supported releases and the gates ---------------------------------------------------
 
 
@@ -134,6 +147,9 @@ def test_private_attributes_this_torch_lacks_fail_clearly(monkeypatch):
     monkeypatch.delattr(torch._C, "_current_graph_task_id")
     with pytest.raises(RuntimeError, match=r"torch._C._current_graph_task_id, which torch"):
         tp.current_graph_task_id()
+    monkeypatch.delattr(torch.distributed.distributed_c10d, "_world")
+    with pytest.raises(RuntimeError, match=r"distributed_c10d._world, which torch"):
+        tp.process_groups()
     monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
     with pytest.raises(RuntimeError, match="_top_saved_tensors_default_hooks, which torch"):
         tp.saved_tensor_hooks_active()
