@@ -81,6 +81,7 @@ ERRORS = {
     "mesh_ring": "a mesh with a ring dim of 2 is not supported for hybrid models",
     "value_heads": "value heads (2) must be at least the context-parallel size (4)",
     "stages": "Gated DeltaNet (4 value heads, 2 key heads): heads_per_stage (3)",
+    "key_heads": "key heads (3) must divide value heads (4); valid key heads: [1, 2, 4]",
     "activation": "with activation 'gelu' is not supported",
     "vision": "convert its text model, Qwen3_5ForCausalLM",
     "documents_rank0": "cu_seqlens must start at 0 and end at the full sequence length 128",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from upipe.attention.deltanet import DeltaNetWeights, all_heads, check_stages, gated_deltanet
+from upipe.heads import kv_problem
 
 SPLIT_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 FUSED_NAMES = ("in_proj_qkvz", "in_proj_ba")
@@ -81,10 +82,8 @@ def deltanet_problem(layer) -> str | None:
             f"{name} with activation {layer.activation!r} is not supported: the convolution's "
             "activation is SiLU in these models"
         )
-    if layer.num_v_heads % layer.num_k_heads:
-        H, G = layer.num_v_heads, layer.num_k_heads
-        return f"{name}: key heads ({G}) must divide value heads ({H})"
-    return None
+    problem = kv_problem(layer.num_v_heads, layer.num_k_heads, query="value heads", kv="key heads")
+    return f"{name}: {problem}" if problem else None
 
 
 class HFContextParallelDeltaNet(nn.Module):
