@@ -123,7 +123,7 @@ def prepare_kernel(backend, device, dtype, head_dim, *, documents=False) -> str:
     return kernel
 
 
-def _check(q, k, v, causal):
+def _check(q, k, v, causal, mask=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, S, heads, d], got shape {tuple(t.shape)}")
@@ -140,6 +140,11 @@ def _check(q, k, v, causal):
             f"causal attention needs equal query ({S}) and key ({k.shape[1]}) lengths; "
             "split off-diagonal blocks and call them with causal=False"
         )
+    if mask is not None and (mask.shape != (S, k.shape[1]) or mask.dtype != acc_dtype(q.dtype)):
+        raise ValueError(
+            f"mask must be {acc_dtype(q.dtype)} [{S}, {k.shape[1]}] (queries x keys), got "
+            f"{mask.dtype} {tuple(mask.shape)}"
+        )
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -151,29 +156,43 @@ def _scale(softmax_scale, d):
     return 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
 
 
-def attention_forward(q, k, v, *, causal=True, softmax_scale=None, backend=None):
+MASK_KERNELS = ("cpu", "reference")
+"""The kernels that take an additive `mask` (`attention_forward`)."""
+
+
+def attention_forward(q, k, v, *, causal=True, softmax_scale=None, backend=None, mask=None):
     """Attention of q `[B, S, H, d]` over k/v `[B, Sk, G, d]`.
 
-    Returns (out `[B, S, H, d]` in q's dtype, lse fp32 `[B, H, S]`).
+    Returns (out `[B, S, H, d]` in q's dtype, lse fp32 `[B, H, S]`). `mask`: an additive
+    `[S, Sk]` of 0 (seen) and -inf (hidden) in `acc_dtype(q.dtype)`, for the `MASK_KERNELS`
+    only; every row must see a key (the CPU kernel gives a row it hides entirely lse 0, not
+    -inf). (The CPU kernel reads an fp32 mask under fp64 queries half-way: its
+    `_scale_attn_mask_fusion_kernel` steps by the mask's vector width and loads the
+    query's, half as wide; so the mask is fp64 there.)
     """
-    _check(q, k, v, causal)
+    _check(q, k, v, causal, mask)
     kernel = prepare_kernel(backend, q.device, q.dtype, q.shape[-1])
     scale = _scale(softmax_scale, q.shape[-1])
+    _check_mask_kernel(mask, kernel)
     if kernel == "cpu":
         out_BHSd, lse_BHS = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
-        )
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal,
+            attn_mask=mask, scale=scale,
+        )  # fmt: skip
         return out_BHSd.transpose(1, 2), lse_BHS
     if kernel == "reference":
-        return _reference_forward(q, k, v, causal, scale)
+        return _reference_forward(q, k, v, causal, scale, mask)
     return kernels_cuda.FORWARD[kernel](q, k, v, causal, scale)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=True, softmax_scale=None, backend=None):
+def attention_backward(
+    dout, q, k, v, out, lse, *, causal=True, softmax_scale=None, backend=None, mask=None
+):
     """Gradients (dq, dk, dv) of `attention_forward`, from its saved `out` and `lse`."""
-    _check(q, k, v, causal)
+    _check(q, k, v, causal, mask)
     kernel = prepare_kernel(backend, q.device, q.dtype, q.shape[-1])
     scale = _scale(softmax_scale, q.shape[-1])
+    _check_mask_kernel(mask, kernel)
     if kernel == "cpu":
         dq, dk, dv = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             dout.transpose(1, 2),
@@ -184,39 +203,46 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, softmax_scale=No
             lse,
             0.0,
             causal,
+            attn_mask=mask,
             scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     if kernel == "reference":
-        return _reference_backward(dout, q, k, v, out, lse, causal, scale)
+        return _reference_backward(dout, q, k, v, out, lse, causal, scale, mask)
     return kernels_cuda.BACKWARD[kernel](dout, q, k, v, out, lse, causal, scale)
+
+
+def _check_mask_kernel(mask, kernel) -> None:
+    if mask is not None and kernel not in MASK_KERNELS:
+        raise ValueError(f"a mask runs on the {MASK_KERNELS} kernels only, not {kernel!r}")
 
 
 # --- float64 reference ------------------------------------------------------------------
 
 
-def _reference_scores(q, k, causal, scale):
-    """Scaled scores [B, H, S, Sk] in fp64 with -inf above the diagonal when causal."""
+def _reference_scores(q, k, causal, scale, mask=None):
+    """Scaled scores [B, H, S, Sk] in fp64 with -inf above the diagonal when causal, plus
+    `mask`."""
     H = q.shape[2]
     s_BHSS = torch.einsum("bshd,bthd->bhst", q.double(), expand_kv(k, H).double()) * scale
     if causal:
         S = q.shape[1]
-        mask = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
-        s_BHSS = s_BHSS.masked_fill(mask, float("-inf"))
-    return s_BHSS
+        upper = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        s_BHSS = s_BHSS.masked_fill(upper, float("-inf"))
+    return s_BHSS if mask is None else s_BHSS + mask.double()
 
 
-def _reference_forward(q, k, v, causal, scale):
-    s_BHSS = _reference_scores(q, k, causal, scale)
+def _reference_forward(q, k, v, causal, scale, mask=None):
+    s_BHSS = _reference_scores(q, k, causal, scale, mask)
     lse_BHS = torch.logsumexp(s_BHSS, dim=-1)
     p_BHSS = torch.exp(s_BHSS - lse_BHS[..., None])
     out = torch.einsum("bhst,bthd->bshd", p_BHSS, expand_kv(v, q.shape[2]).double())
     return out.to(q.dtype), lse_BHS.to(acc_dtype(q.dtype))
 
 
-def _reference_backward(dout, q, k, v, out, lse, causal, scale):
+def _reference_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     H, G = q.shape[2], k.shape[2]
-    s_BHSS = _reference_scores(q, k, causal, scale)
+    s_BHSS = _reference_scores(q, k, causal, scale, mask)
     p_BHSS = torch.exp(s_BHSS - lse.double()[..., None])
     do, vv, kk = dout.double(), expand_kv(v, H).double(), expand_kv(k, H).double()
     dv = torch.einsum("bhst,bshd->bthd", p_BHSS, do)

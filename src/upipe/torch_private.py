@@ -214,11 +214,11 @@ def activate_flash_impl(impl: str) -> None:
 # schemas (native_functions.yaml) of torch 2.11, 2.13 and 2.15
 _ATEN_ARGS = {
     "_scaled_dot_product_flash_attention_for_cpu": (
-        ("query", "key", "value", "dropout_p", "is_causal"), ("scale",),
+        ("query", "key", "value", "dropout_p", "is_causal"), ("attn_mask", "scale"),
     ),
     "_scaled_dot_product_flash_attention_for_cpu_backward": (
         ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal"),
-        ("scale",),
+        ("attn_mask", "scale"),
     ),
     "_scaled_dot_product_flash_attention": (
         ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"), ("scale",),

@@ -1,7 +1,7 @@
 """The error helper every accuracy test uses: relative, with an absolute floor."""
 
 import torch
-from tolerances import REL_ERR_FLOOR, TOL, rel_err
+from tolerances import REL_ERR_FLOOR, TOL, bf16_bound, rel_err
 
 
 def test_zero_reference_is_judged_absolutely():
@@ -30,3 +30,9 @@ def test_scale_lowers_the_floor():
     off = (ref * 1.01).float()
     assert rel_err(off, ref) < 1e-5 * 1.01  # against the floor 1: looks 1000x better
     assert abs(rel_err(off, ref, scale=1e-4) - 1e-2) < 1e-4  # against max|ref|: 1%
+
+
+def test_bf16_bound_is_a_multiple_with_a_floor_and_one_rounding_per_extra_partial():
+    assert bf16_bound(1e-4) == 1e-3  # the floor
+    assert bf16_bound(3e-3) == 6e-3  # twice one device's error
+    assert bf16_bound(3e-3, summed=3) == 6e-3 + 2 * 2.0**-9

@@ -27,6 +27,20 @@ Backward runs each call's kernel backward with the *final* out and lse rows (eac
 P = exp(scale q k^T - lse) is then that block of the full softmax) and adds its dq, dk,
 dv in fp32.
 
+The kernels that take a mask (`kernels.MASK_KERNELS`: torch's CPU flash kernel and the
+float64 reference) run the band instead as one call per tile of T = `MASKED_ROWS` rows,
+over the keys its rows see (r0 - w + 1 .. r1 - 1) with an additive mask (`band_mask`, one
+per call of `forward` / `backward`, each tile a view of it): T (T + w - 1) scores a tile,
+w + T - 1 per row, every row in exactly one call -- no merge, out written in q's dtype, dq
+written, not summed. The CPU kernel skips no block of a masked call, and of a causal one
+only whole 512-key blocks past a query block's last row (aten/src/ATen/native/cpu/
+FlashAttentionKernel.cpp, `cpu_flash_attention`: kvSplitSize 512, qSplitSize 256 / 64 /
+32 by the call's query length), so the tiled calls' two triangles of w - 1 = 1,023 rows
+cost 1.5 w per row there (their 512-key blocks on the diagonal computed whole) where the
+masked tiles cost (1 + 127 / w) w = 1.12 w, in one call per 128 rows instead of two calls
+and two merges per 1,023. (The op refuses a boolean mask; the mask is fp32, fp64 for fp64
+queries: `kernels.attention_forward`.)
+
 torch's FlashAttention-2 kernel ("flash", fp16/bf16) has the window natively (flash_api.cpp
 `mha_varlen_fwd` / `mha_varlen_bwd` `window_size_left` / `window_size_right`), reached
 through the varlen form of the op (`_flash_attention_backward`'s dense form cannot be
@@ -44,9 +58,16 @@ from __future__ import annotations
 import torch
 
 from upipe.attention import varlen
-from upipe.kernels import acc_dtype, attention_backward, attention_forward, prepare_kernel
+from upipe.kernels import (
+    MASK_KERNELS,
+    acc_dtype,
+    attention_backward,
+    attention_forward,
+    prepare_kernel,
+)
 
 FULL, CAUSAL, FLIPPED = "full", "causal", "flipped"
+MASKED_ROWS = 128  # rows of one masked call (module doc)
 
 
 def check_window(window, causal) -> None:
@@ -105,6 +126,33 @@ def band_calls(q0: int, M: int, k0: int, N: int, w: int) -> list[tuple[slice, sl
     return calls
 
 
+def masked_tiles(q0: int, M: int, k0: int, N: int, w: int, rows: int) -> list[tuple]:
+    """The masked calls of the block (module doc): (row slice, key slice, the first key's
+    column in `band_mask`), local to the block, for tiles of at most `rows` of the rows that
+    see a key, each over the keys its rows see."""
+    k1 = k0 + N
+    first, last = max(q0, k0), min(q0 + M, k1 + w - 1)  # rows that see a key
+    tiles = []
+    for r0 in range(first, last, rows):
+        r1 = min(last, r0 + rows)
+        lo, hi = max(k0, r0 - w + 1), min(k1 - 1, r1 - 1)
+        tiles.append((slice(r0 - q0, r1 - q0), slice(lo - k0, hi + 1 - k0), lo - (r0 - w + 1)))
+    return tiles
+
+
+def band_mask(rows: int, w: int, device, dtype=torch.float32) -> torch.Tensor:
+    """`[rows, rows + w - 1]` of `dtype`: row r of a tile over keys from its first row's
+    r0 - w + 1 on sees column c iff r <= c <= r + w - 1 (0), else -inf."""
+    r = torch.arange(rows, device=device)[:, None]
+    c = torch.arange(rows + w - 1, device=device)[None, :]
+    seen = (c >= r) & (c <= r + w - 1)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+
+
+def _tile_mask(band, rows: slice, keys: slice, col: int) -> torch.Tensor:
+    return band[: rows.stop - rows.start, col : col + keys.stop - keys.start]
+
+
 def merge_(out_BMud, lse_BuM, part_BMud, part_lse_BuM) -> None:
     """In place: (out, lse) <- the softmax-weighted combination of (out, lse) and the part:
     lse' = logaddexp(lse, lse_p), out' = exp(lse - lse') out + exp(lse_p - lse') out_p
@@ -157,9 +205,18 @@ def forward(q, k, v, *, q0, k0, window, softmax_scale, backend):
             q, k, v, bounds, causal=True, softmax_scale=softmax_scale, window=window
         )
     acc, (B, _, u, d) = acc_dtype(q.dtype), q.shape
-    out_BMud = torch.zeros(B, M, u, d, dtype=acc, device=q.device)
-    lse_BuM = torch.full((B, u, M), float("-inf"), dtype=acc, device=q.device)
     kw = dict(softmax_scale=softmax_scale, backend=kernel)
+    lse_BuM = torch.full((B, u, M), float("-inf"), dtype=acc, device=q.device)
+    if kernel in MASK_KERNELS:
+        out_BMud = torch.zeros(B, M, u, d, dtype=q.dtype, device=q.device)
+        band = band_mask(MASKED_ROWS, window, q.device, acc)
+        for rows, keys, col in masked_tiles(q0, M, k0, N, window, MASKED_ROWS):
+            mask = _tile_mask(band, rows, keys, col)
+            out_BMud[:, rows], lse_BuM[:, :, rows] = attention_forward(
+                q[:, rows], k[:, keys], v[:, keys], causal=False, mask=mask, **kw
+            )
+        return out_BMud, lse_BuM
+    out_BMud = torch.zeros(B, M, u, d, dtype=acc, device=q.device)
     for rows, keys, kind in band_calls(q0, M, k0, N, window):
         qs, ks, vs = q[:, rows], k[:, keys], v[:, keys]
         if kind == FLIPPED:
@@ -181,10 +238,23 @@ def backward(dout, q, k, v, out, lse, *, q0, k0, window, softmax_scale, backend)
             dout, q, k, v, out, lse, (0, M), causal=True, softmax_scale=softmax_scale, window=window
         )
     acc = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros_like(dk)
     kw = dict(softmax_scale=softmax_scale, backend=kernel)
+    if kernel in MASK_KERNELS:  # (each row in one call: dq is written, not summed)
+        dq = torch.zeros_like(q)
+        band = band_mask(MASKED_ROWS, window, q.device, acc)
+        for rows, keys, col in masked_tiles(q0, M, k0, N, window, MASKED_ROWS):
+            mask = _tile_mask(band, rows, keys, col)
+            args = (dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows])
+            dq[:, rows], gk, gv = attention_backward(
+                *args, lse[:, :, rows].contiguous(), causal=False, mask=mask, **kw
+            )
+            dk[:, keys] += gk
+            dv[:, keys] += gv
+            del gk, gv
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     for rows, keys, kind in band_calls(q0, M, k0, N, window):
         args = (dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows])
         lse_rows = lse[:, :, rows]
