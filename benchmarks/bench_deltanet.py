@@ -8,10 +8,11 @@ d = e head dims, U value heads per stage, C ranks.
 
 One transformers `Qwen3NextGatedDeltaNet` layer (random weights, fp32) with upipe's
 `HFContextParallelDeltaNet` in its place on C gloo ranks; forward + backward on x `[B, L,
-D]` with dy. Memory: `upipe.MemoryTracker` over forward+backward -- y, dx, the weight
+D]` with dy. Memory: `upipe.MemoryTracker` over one forward+backward -- y, dx, the weight
 gradients and every buffer, not x, dy or the weights -- in units of one `[B, L, D]` tensor
-of that run (the unsharded layer: L = S, one process). Time: median over `--repeats`
-rounds, methods interleaved within each round, after a warm-up round. A human-readable table,
+of that run (the unsharded layer: L = S, one process). Time: untracked, the median over
+`--repeats` rounds of the slowest rank, methods interleaved within each round, after a
+warm-up round. A human-readable table,
 then one JSON document.
 """
 
@@ -51,20 +52,30 @@ def _inputs(args, L):
     return x[:, r * L : (r + 1) * L].contiguous(), dy[:, r * L : (r + 1) * L].contiguous()
 
 
-def _measure(module, x, dy):
-    """(peak bytes, seconds) of one forward + backward."""
+def _peak(module, x, dy) -> int:
+    """Peak bytes of one forward + backward (`upipe.MemoryTracker`)."""
     from upipe.memory import MemoryTracker
 
+    x = x.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    with MemoryTracker() as mem:
+        module(x).backward(dy)
+    return mem.peak_bytes
+
+
+def _seconds(module, x, dy) -> float:
+    """Seconds of one forward + backward, untracked: the tracker's Python hook on every
+    operator costs the same per call however small the tensor, so it would weigh on a
+    method by its number of calls (UPipe's stages make more, smaller ones), not its work."""
     x = x.clone().requires_grad_()
     module.zero_grad(set_to_none=True)
     if dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
-    with MemoryTracker() as mem:
-        module(x).backward(dy)
+    module(x).backward(dy)
     if dist.is_initialized():
         dist.barrier()
-    return mem.peak_bytes, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def _modules(args, group):
@@ -84,31 +95,29 @@ def _modules(args, group):
 
 
 def run_rank(rank, world_size, args):
-    """Every method, interleaved rounds; this rank's peaks and times."""
+    """Every method's peak (one tracked pass each), then interleaved timing rounds (the
+    first warms up); this rank's peaks and times."""
     modules = _modules(args, dist.group.WORLD)
     x, dy = _inputs(args, args.seq_len // world_size)
-    peaks, times = {m: [] for m in modules}, {m: [] for m in modules}
+    peaks = {m: _peak(module, x, dy) for m, module in modules.items()}
+    times = {m: [] for m in modules}
     for round_ in range(args.repeats + 1):
         for method, module in modules.items():
-            peak, seconds = _measure(module, x, dy)
-            peaks[method].append(peak)
+            seconds = _seconds(module, x, dy)
             if round_:  # (round 0 warms up)
                 times[method].append(seconds)
-    return {m: (max(peaks[m]), times[m]) for m in modules}
+    return {m: (peaks[m], times[m]) for m in modules}
 
 
 def unsharded(args):
-    """The transformers layer itself on the whole sequence, one process (a warm-up round and
-    one timed round: it is C times slower than a rank, and not the comparison timed)."""
+    """The transformers layer itself on the whole sequence, one process: its peak, and one
+    timed round after a warm-up (it is C times slower than a rank, and not the comparison
+    timed)."""
     layer = _layer(args)
     x, dy = _inputs(args, args.seq_len)
-    peaks, times = [], []
-    for round_ in range(2):
-        peak, seconds = _measure(layer, x, dy)
-        peaks.append(peak)
-        if round_:
-            times.append(seconds)
-    return max(peaks), times
+    peak = _peak(layer, x, dy)
+    _seconds(layer, x, dy)
+    return peak, [_seconds(layer, x, dy)]
 
 
 def main(argv=None):
