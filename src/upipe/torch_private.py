@@ -142,8 +142,8 @@ def flatten_mesh(mesh, name: str | None = None):
 
 def process_groups() -> list:
     """The process groups alive in this process, the default one included
-    (`distributed_c10d._world.pg_map`; torch lists them nowhere public). `upipe.launch` ends
-    the groups a task made with it."""
+    (`distributed_c10d._world.pg_map`; torch lists them nowhere public).
+    `LocalCluster.end_groups` ends all but the default one on its ranks with it."""
     import torch.distributed.distributed_c10d as c10d
 
     world = _private(c10d, "_world", "torch.distributed.distributed_c10d._world")

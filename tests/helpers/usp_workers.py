@@ -12,8 +12,8 @@ from upipe.comm import seq_to_head, sequence_positions, shard_sequence, unshard_
 
 
 def mesh_of(dims):
-    """The (dp, ring, ulysses) mesh of this task (its groups end with the task:
-    `upipe.launch`)."""
+    """The (dp, ring, ulysses) mesh, made in each task (not cached: the groups a test makes
+    end after it, `tests/conftest.py`)."""
     dp, ring, ulysses = dims
     return upipe.make_mesh(ulysses=ulysses, ring=ring, dp=dp)
 
