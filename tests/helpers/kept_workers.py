@@ -1,12 +1,12 @@
 """Per-rank functions for tests/distributed/test_attention_outputs.py (module-level: spawned ranks
-import
-them): training steps of one configuration under each `--attention-outputs` mode, with the
+import them): training steps of one configuration under each `--attention-outputs` mode, with the
 attention kernel calls of the first step counted."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -84,9 +84,27 @@ def forward_live_bytes(rank, world_size, cfg, modes_kw, n_layers=2):
         ((ids, labels, pos, _),) = trainer.batch(0)
         with MemoryTracker() as mem:
             loss = trainer.model(ids, pos, labels)
-            out[name] = mem.current_bytes
+            out[name] = _settled_bytes(mem)
         loss.backward()
     return out
+
+
+def _settled_bytes(mem, quiet_s=0.5, limit_s=60.0) -> int:
+    """`mem.current_bytes` once it has not changed for `quiet_s` seconds. Gloo's worker thread
+    drops its reference to a collective's tensors only after the caller's `wait()` returned
+    (ProcessGroupGloo::runLoop ends the work at the end of its loop turn), so a read right after
+    the forward raced with the free of the last head exchange's buffers: CI (torch 2.15.0,
+    2026-12-06) read 16 KiB over the formula, a fresh-clone run 32 KiB under it. Sleeping
+    releases the GIL the free's finalizer needs."""
+    deadline = time.monotonic() + limit_s
+    seen, since = mem.current_bytes, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        if mem.current_bytes != seen:
+            seen, since = mem.current_bytes, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return seen
+    raise TimeoutError(f"live bytes still changing {limit_s} s after the forward")
 
 
 def _layer_and_input(strategy="upipe", seed=0, dtype=torch.float32, **kw):
