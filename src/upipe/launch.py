@@ -26,13 +26,13 @@ import dataclasses
 import datetime
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+from multiprocessing import connection as mp_connection
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 GRACE_S = 5.0  # once a rank failed, how long its peers may take to report theirs
@@ -144,7 +144,8 @@ def _free_port() -> int:
 def _worker(rank, world_size, port, timeouts, threads, parent_pid, tasks, results):
     """One rank. `timeouts` = (start, pg): how long the ranks may take to meet (their
     start-up, importing torch, can differ by seconds on a loaded machine: the store waits
-    that long), and the process group's timeout for every collective after that."""
+    that long), and the process group's timeout for every collective after that.
+    `results`: this rank's own pipe to the parent (`LocalCluster.start` says why its own)."""
     die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
@@ -167,18 +168,20 @@ def _worker(rank, world_size, port, timeouts, threads, parent_pid, tasks, result
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
     except Exception as e:
-        results.put((rank, False, _report(e)))
+        results.send((rank, False, _report(e)))
         return
-    results.put((rank, True, "ready"))
+    results.send((rank, True, "ready"))
     while True:
         try:
             task = tasks.get()  # (unpickled here: a function this process cannot import raises)
             if task is None:
                 break
             fn, args = task
-            results.put((rank, True, fn(rank, world_size, *args)))
+            # (pickled here, before anything is written: a result that cannot be pickled
+            # is reported as this rank's error)
+            results.send((rank, True, fn(rank, world_size, *args)))
         except BaseException as e:
-            results.put((rank, False, _report(e)))
+            results.send((rank, False, _report(e)))
     dist.destroy_process_group()
     _exit_now(results)
 
@@ -198,12 +201,11 @@ def _end_groups(rank, world_size) -> int:
 def _exit_now(results) -> None:
     """End this rank without the interpreter's finalization, which with torch loaded takes
     seconds (measured 4-14 s a process on a loaded 2-core machine, 2026-12-02) and which
-    `LocalCluster.close` would wait for: first the exit handlers run and the results still
-    in the queue's pipe are flushed, as a normal exit would."""
+    `LocalCluster.close` would wait for: first the exit handlers run, as a normal exit would
+    (the results were written by `send` itself: nothing is left to flush)."""
     import atexit
 
     results.close()
-    results.join_thread()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -255,7 +257,13 @@ class LocalCluster:
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
-        self._results = ctx.Queue()
+        # each rank reports through a pipe of its own, written by its main thread: through one
+        # shared Queue, a rank stopped or killed while its feeder thread held the queue's
+        # write lock (between the write of its last report and the lock's release) kept
+        # every other rank's report out, and the call waited out its grace period (killed
+        # peer) or its whole limit (frozen peer): twice in fresh-clone runs, 2026-12-06
+        pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
+        self._results = [reader for reader, _ in pipes]
         # tasks go through SimpleQueues: their put pickles in the caller's thread, so a task
         # that cannot be pickled raises in `run` at once (a Queue's feeder thread would print
         # the error and the ranks would wait for a task that never comes)
@@ -274,7 +282,7 @@ class LocalCluster:
                         self.threads,
                         os.getpid(),
                         self._tasks[r],
-                        self._results,
+                        pipes[r][1],
                     ),
                     daemon=True,
                 )
@@ -284,6 +292,8 @@ class LocalCluster:
                 for p in self._procs:
                     p.start()
         finally:
+            for _, writer in pipes:  # the ranks hold theirs: a rank's end reads as EOF here
+                writer.close()
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -307,6 +317,9 @@ class LocalCluster:
                 p.kill()
                 p.join()
         self._procs = []
+        for reader in getattr(self, "_results", []):
+            reader.close()
+        self._results = []
 
     def _unanswered(self, rank: int, *, out_of_time: float | None) -> RankFailure:
         """What is seen of a rank that gave no answer (`out_of_time`: the call's limit ran
@@ -343,20 +356,28 @@ class LocalCluster:
             left = end - time.monotonic()
             if left <= 0:
                 break
-            try:
-                rank, ok, value = self._results.get(timeout=min(POLL_S, left))
-            except queue.Empty:  # a rank that died or froze says nothing: look
-                waiting = [r for r in range(self.world_size) if r not in out and r not in failures]
-                for r in waiting:
-                    if not self._procs[r].is_alive():
-                        failures[r] = self._unanswered(r, out_of_time=None)
-                if failures and all(_process_state(self._procs[r].pid) in STOPPED for r in waiting):
-                    break  # the rest are frozen: no use waiting out the grace period
+            waiting = [r for r in range(self.world_size) if r not in out and r not in failures]
+            readers = {self._results[r]: r for r in waiting}
+            ready = mp_connection.wait(list(readers), timeout=min(POLL_S, left))
+            for reader in ready:
+                r = readers[reader]
+                try:
+                    rank, ok, value = reader.recv()
+                except EOFError:  # its end closed with no report: the process ended
+                    self._procs[r].join(POLL_S)
+                    failures[r] = self._unanswered(r, out_of_time=None)
+                    continue
+                if ok:
+                    out[rank] = value
+                else:
+                    failures[rank] = RankFailure(rank, "raised", *value)
+            if ready:
                 continue
-            if ok:
-                out[rank] = value
-            else:
-                failures[rank] = RankFailure(rank, "raised", *value)
+            for r in waiting:  # a rank that died or froze says nothing: look
+                if not self._procs[r].is_alive():
+                    failures[r] = self._unanswered(r, out_of_time=None)
+            if failures and all(_process_state(self._procs[r].pid) in STOPPED for r in waiting):
+                break  # the rest are frozen: no use waiting out the grace period
         missing = [r for r in range(self.world_size) if r not in out and r not in failures]
         out_of_time = None if failures else timeout_s
         for r in missing:

@@ -77,16 +77,38 @@ def stop_midway(
         try:
             out, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            # its output is still open: the command runs, or it ended and a process it
+            # started holds the pipes; which ones (its session's), before the abort
+            session = _session_processes(proc.pid)
             proc.send_signal(signal.SIGABRT)
-            out, err = proc.communicate(timeout=60)
+            try:
+                out, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                err = "(nothing more: its pipes stayed open)"
             raise AssertionError(
-                f"upipe {' '.join(args)} still ran 120 s after {sig}; its stacks:\n{err[-8000:]}"
+                f"upipe {' '.join(args)} still ran 120 s after {sig} (exit status "
+                f"{proc.poll()}); the processes of its session:\n{session}\nits stacks:\n"
+                f"{err[-8000:]}"
             ) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
     return proc.returncode, out, seen + err
+
+
+def _session_processes(sid: int) -> str:
+    """`ps` lines (pid, parent, state, age, command) of the processes in session `sid`."""
+    try:
+        ps = subprocess.run(
+            ["ps", "-o", "pid,ppid,stat,etime,args", "-s", str(sid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:  # (no ps on this machine)
+        return f"(ps: {e})"
+    return ps.stdout + ps.stderr
 
 
 def free_port() -> int:
