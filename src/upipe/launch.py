@@ -190,8 +190,10 @@ def _end_groups(rank, world_size) -> int:
     """`LocalCluster.end_groups` on one rank: how many groups it ended."""
     import torch.distributed as dist
 
+    from upipe.mesh import release_meshes
     from upipe.torch_private import process_groups
 
+    release_meshes()  # (they hold their groups)
     made = [g for g in process_groups() if g is not dist.group.WORLD]
     for group in made:
         dist.destroy_process_group(group)

@@ -19,6 +19,7 @@ from usp_workers import (
     mesh_functional_or_error,
     mesh_layout,
     mesh_replica_errors,
+    meshes_made,
     run_mesh_functional,
     run_mesh_module,
 )
@@ -175,6 +176,16 @@ def test_make_mesh_errors(clusters):
         assert r["zero"] == ("ValueError", "ring must be a positive int, got 0")
         assert r["bool"] == ("ValueError", "ulysses must be a positive int, got True")
         assert r["float"] == ("ValueError", "ulysses must be a positive int, got 2.0")
+
+
+def test_make_mesh_makes_groups_once(clusters):
+    """A second make_mesh with the same degrees returns the first mesh and makes no group;
+    other degrees make their own; once the groups ended, a new mesh with working groups."""
+    for r in clusters(4).run(meshes_made):
+        assert r["first"] > 0
+        assert r["again"] == (True, 0)
+        assert r["other"][0] and r["other"][1] > 0
+        assert r["after end"] == (True, True)
 
 
 MESH_CALL_ERRORS = {  # case: (error type, pattern)

@@ -12,8 +12,8 @@ from upipe.comm import seq_to_head, sequence_positions, shard_sequence, unshard_
 
 
 def mesh_of(dims):
-    """The (dp, ring, ulysses) mesh, made in each task (not cached: the groups a test makes
-    end after it, `tests/conftest.py`)."""
+    """The (dp, ring, ulysses) mesh (`make_mesh` returns the one made earlier while its
+    groups live; the groups a test makes end after it, `tests/conftest.py`)."""
     dp, ring, ulysses = dims
     return upipe.make_mesh(ulysses=ulysses, ring=ring, dp=dp)
 
@@ -114,6 +114,31 @@ def make_mesh_errors(rank, world_size):
         "float": dict(ulysses=2.0, ring=2),
     }
     return {name: _error(lambda kw=kw: upipe.make_mesh(**kw)) for name, kw in cases.items()}
+
+
+def meshes_made(rank, world_size):
+    """make_mesh called again with the same degrees, with others, and after the groups of the
+    first ended: (same mesh?, new groups of each call), with `dist.destroy_process_group`."""
+    from upipe.torch_private import process_groups
+
+    def groups_of(call):
+        before = len(process_groups())
+        return call(), len(process_groups()) - before
+
+    first, made = groups_of(lambda: upipe.make_mesh(ulysses=2, ring=2))
+    again, made_again = groups_of(lambda: upipe.make_mesh(ulysses=2, ring=2))
+    other, made_other = groups_of(lambda: upipe.make_mesh(ulysses=4))
+    for group in process_groups():
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+    after, made_after = groups_of(lambda: upipe.make_mesh(ulysses=2, ring=2))
+    dist.all_reduce(torch.ones(1), group=after.get_group("ring"))  # its groups work
+    return {
+        "again": (again is first, made_again),
+        "other": (other is not first, made_other),
+        "after end": (after is not first, made_after == made),
+        "first": made,
+    }
 
 
 def mesh_call_errors(rank, world_size):
