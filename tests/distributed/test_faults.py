@@ -28,6 +28,7 @@ from fault_workers import (
     train_quietly,
     train_with_file_size_limit,
     train_with_nan_gradient,
+    unpicklable_on,
     use_groups,
 )
 from train_workers import small_config
@@ -424,6 +425,18 @@ def test_a_task_that_cannot_be_sent_raises_at_once(short_timeout):
         short_timeout.run(pid, threading.Lock())
     assert time.monotonic() - t0 < 10  # not the call's 300 s limit
     assert len(short_timeout.run(pid)) == 2
+
+
+def test_a_result_that_cannot_be_pickled_is_its_ranks_error(short_timeout):
+    """The rank pickles its result before writing it: a result that cannot be pickled is
+    that rank's error at once (not a lost report and a wait for the call's limit)."""
+    short_timeout.run(pid)
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        short_timeout.run(unpicklable_on, 1)
+    assert time.monotonic() - t0 < 30
+    assert [(f.rank, f.what) for f in e.value.failures] == [(1, "raised")]
+    assert "TypeError: cannot pickle '_thread.lock' object" in e.value.summary, e.value.summary
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")

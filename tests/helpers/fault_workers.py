@@ -24,6 +24,13 @@ def pid(rank, world_size):
     return os.getpid()
 
 
+def unpicklable_on(rank, world_size, which: int):
+    """Rank `which` returns a lock (which cannot be pickled), the others their rank."""
+    import threading
+
+    return threading.Lock() if rank == which else rank
+
+
 def signal_one_rank(rank, world_size, victim: int, signum: int):
     """Rank `victim` sends itself `signum` (SIGKILL: dies; SIGSTOP: freezes); the others
     wait for it in a barrier."""
