@@ -34,10 +34,10 @@ def make_mesh(*, ulysses: int, ring: int = 1, dp: int = 1, device_type: str = "c
 
     A later call with the same arguments returns the same mesh while its process groups
     live (none was ended by `destroy_process_group`; `release_meshes`): `init_device_mesh`
-    makes new groups on every call, and each holds its own connections (gloo: sockets and three threads, one
-    waking every 10 ms; NCCL: a communicator with its device buffers) for the life of the
-    process -- a notebook or test that builds one `upipe.train.Trainer` after another kept
-    them all.
+    makes new groups on every call, and each holds its own connections (gloo: sockets and
+    three threads, one waking every 10 ms; NCCL: a communicator with its device buffers)
+    for the life of the process -- a notebook or test that builds one `upipe.train.Trainer`
+    after another kept them all.
     """
     degrees = {"dp": dp, "ring": ring, "ulysses": ulysses}
     for name, val in degrees.items():
