@@ -15,15 +15,13 @@ Strategies accept any `DeviceMesh` with dims named "ring" and "ulysses" (other d
 
 from __future__ import annotations
 
-import weakref
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from upipe.torch_private import flatten_mesh, process_groups
 
 MESH_DIMS = ("dp", "ring", "ulysses")
-_MESHES: dict[tuple, tuple] = {}  # (device type, dp, ring, ulysses): (mesh, its groups, weakly)
+_MESHES: dict[tuple, tuple] = {}  # (device type, dp, ring, ulysses): (mesh, its dims' groups)
 
 
 def make_mesh(*, ulysses: int, ring: int = 1, dp: int = 1, device_type: str = "cpu") -> DeviceMesh:
@@ -61,29 +59,29 @@ def make_mesh(*, ulysses: int, ring: int = 1, dp: int = 1, device_type: str = "c
             f"the world size ({world}); {fix}"
         )
     for stale in [k for k, (_, groups) in _MESHES.items() if not _groups_live(groups)]:
-        del _MESHES[stale]  # (a mesh holds its groups: an ended one's connections with them)
+        del _MESHES[stale]  # (it holds its groups: an ended one's connections with them)
     key = (device_type, dp, ring, ulysses)
     if key in _MESHES:
         return _MESHES[key][0]
     mesh = init_device_mesh(device_type, (dp, ring, ulysses), mesh_dim_names=MESH_DIMS)
-    _MESHES[key] = (mesh, [weakref.ref(mesh.get_group(name)) for name in MESH_DIMS])
+    _MESHES[key] = (mesh, [mesh.get_group(name) for name in MESH_DIMS])
     return mesh
 
 
 def release_meshes() -> None:
-    """Forget the meshes `make_mesh` keeps for reuse. A mesh holds its process groups, so a
-    kept mesh whose groups were ended (`destroy_process_group`) keeps their connections
+    """Forget the meshes `make_mesh` keeps for reuse. The cache holds each mesh's process
+    groups, so a kept mesh whose groups were ended (`destroy_process_group`) keeps their connections
     (gloo: threads) until the next `make_mesh` call drops it; `LocalCluster.end_groups`
     calls this on its ranks."""
     _MESHES.clear()
 
 
-def _groups_live(groups: list[weakref.ref]) -> bool:
-    """Whether each of a mesh's process groups (weak references, taken when it was made) is
-    still one of this process's: not ended, alone or with the default group. (Not by name:
-    names are counted afresh once every group has ended, so a name could find another.)"""
+def _groups_live(groups: list) -> bool:
+    """Whether each of a mesh's process groups (taken when it was made) is still one of this
+    process's: not ended, alone or with the default group. (Not by name: names are counted
+    afresh once every group has ended, so a name could find another.)"""
     live = process_groups()
-    return all(any(ref() is g for g in live) for ref in groups)
+    return all(any(group is g for g in live) for group in groups)
 
 
 def check_mesh(mesh) -> tuple[int, int]:
