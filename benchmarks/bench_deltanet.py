@@ -3,6 +3,9 @@ against all heads at once (Ulysses) and against the unsharded layer (docs/hybrid
 
     .venv/bin/python benchmarks/bench_deltanet.py --world 4 --seq-len 16384 --repeats 3
 
+A method is STRATEGY[:U][@SCAN] (`--methods ulysses@torch upipe:4@torch` times both with
+transformers' own torch scan; without @, the automatic backend: upipe's own scan on the CPU).
+
 Legend: B batch, S sequence, L = S / C tokens per rank, D width, H value heads, G key heads,
 d = e head dims, U value heads per stage, C ranks.
 
@@ -83,7 +86,8 @@ def _modules(args, group):
 
     out = {}
     for method in args.methods:
-        strategy, _, U = method.partition(":")
+        spec, _, scan = method.partition("@")
+        strategy, _, U = spec.partition(":")
         out[method] = HFContextParallelDeltaNet(
             _layer(args),
             group=group,
@@ -91,6 +95,7 @@ def _modules(args, group):
             heads_per_stage=int(U) if U else None,
             state={"docs": None},
         )
+        out[method].scan_backend = scan or None
     return out
 
 
@@ -131,7 +136,9 @@ def main(argv=None):
     p.add_argument("--value-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--methods", nargs="+", default=["ulysses", "upipe:4", "upipe:8"])
+    p.add_argument("--methods", nargs="+", default=["ulysses", "upipe:4", "upipe:8"],
+                   help="STRATEGY[:U][@SCAN]: ulysses or upipe, U value heads per stage, "
+                   "the scan backend (upipe.kernels_deltanet; default: automatic)")  # fmt: skip
     p.add_argument("--no-unsharded", action="store_true", help="skip the one-process layer")
     p.add_argument("--json", help="also write the JSON document here")
     args = p.parse_args(argv)
@@ -150,16 +157,16 @@ def main(argv=None):
         peak, times = unsharded(args)
         rows["unsharded"] = {"peak_bytes": peak, "units": peak / unit["unsharded"],
                              "seconds": statistics.median(times)}  # fmt: skip
-    base = rows.get("ulysses")
+    base = rows.get(args.methods[0])
     print(f"C = {C}, S = {S}, D = {D}, H = {args.value_heads}, G = {args.key_heads}, "
           f"d = e = {args.head_dim}, fp32; unit: one [B, L, D] = {unit['sharded'] / 2**20:.2f}"
           f" MiB (unsharded: L = S, {unit['unsharded'] / 2**20:.2f} MiB)")  # fmt: skip
-    print(f"{'method':<12} {'peak MiB':>9} {'[B,L,D]':>8} {'vs ulysses':>10} {'fwd+bwd s':>10}"
-          f" {'vs ulysses':>10}")  # fmt: skip
+    print(f"{'method':<16} {'peak MiB':>9} {'[B,L,D]':>8} {'vs first':>10} {'fwd+bwd s':>10}"
+          f" {'vs first':>10}")  # fmt: skip
     for method, row in rows.items():
         rel_m = row["peak_bytes"] / base["peak_bytes"] if base else float("nan")
         rel_t = row["seconds"] / base["seconds"] if base else float("nan")
-        print(f"{method:<12} {row['peak_bytes'] / 2**20:>9.2f} {row['units']:>8.3f} "
+        print(f"{method:<16} {row['peak_bytes'] / 2**20:>9.2f} {row['units']:>8.3f} "
               f"{rel_m:>10.3f} {row['seconds']:>10.3f} {rel_t:>10.3f}")  # fmt: skip
     doc = {"args": vars(args), "rows": rows, "torch": torch.__version__}
     print(json.dumps(doc))

@@ -20,20 +20,14 @@ each document were its own sequence -- what the unconverted model computes when 
 document at a time (transformers itself refuses packed input to this layer without `fla`).
 
 Backends of the scan (`SCAN_BACKENDS`):
+- "upipe": upipe's own chunked rule with a backward of its own (`upipe.kernels_delta_rule`:
+  the same operations as transformers' torch implementation in forward; its forward saves
+  only its inputs and its backward recomputes the chunk states, as fla's does), called
+  once per document.
 - "torch": the model's own torch implementation (transformers'
   `torch_chunk_gated_delta_rule`, passed in as `reference`: upipe does not import
-  transformers), called once per document.
-- "fla": flash-linear-attention's Triton kernel `fla.ops.gated_delta_rule.chunk_gated_delta_rule`
-  (CUDA), one call for all documents. Its contract, read from fla/ops/gated_delta_rule/chunk.py
-  (fla-org/flash-linear-attention, commit 92396f2): q, k, v `[B, T, h, d|e]` with the same
-  head count h; g, beta `[B, T, h]`; scale None means d ** -0.5; `use_qk_l2norm_in_kernel`;
-  `cu_seqlens` (int64, on the device, `[N + 1]`) only with B = 1 -- so the rows are
-  flattened into one sequence of B * S tokens whose documents are every row's; returns
-  (o `[B, T, h, e]` in q's dtype, final state). q and k are repeated to the value heads
-  first (as fla's own GatedDeltaNet layer does). tests/distributed/test_deltanet.py runs this path
-  on
-  the CPU against a stand-in with that contract.
-"auto" (None): "fla" for CUDA inputs when the package is installed, else "torch".
+  transformers), called once per document, differentiated by autograd.
+"auto" (None): "fla" for CUDA inputs when the package is installed, else "upipe".
 
 The convolution is torch's depthwise `conv1d` (as transformers' `causal_conv1d_fn` fallback),
 once per document: each document's first K - 1 outputs see zeros before it.
@@ -48,8 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from upipe import loops
+from upipe.kernels_delta_rule import delta_rule
 
-SCAN_BACKENDS = ("torch", "fla")
+SCAN_BACKENDS = ("upipe", "torch", "fla")
 
 
 def fla_available() -> bool:
@@ -67,15 +62,15 @@ def fla_chunk_gated_delta_rule():
 
 def resolve_scan_backend(backend, device) -> str:
     """The scan backend to run: `backend`, or for None "fla" on CUDA when installed, else
-    "torch". ValueError for an unknown name or "fla" where it is not installed."""
+    "upipe". ValueError for an unknown name or "fla" where it is not installed."""
     if backend is None:
-        return "fla" if device.type == "cuda" and fla_available() else "torch"
+        return "fla" if device.type == "cuda" and fla_available() else "upipe"
     if backend not in SCAN_BACKENDS:
         raise ValueError(f"unknown scan backend {backend!r}; choose one of {SCAN_BACKENDS}")
     if backend == "fla" and not fla_available():
         raise ValueError(
             "scan backend 'fla' needs flash-linear-attention (pip install "
-            "flash-linear-attention); use backend='torch' or None"
+            "flash-linear-attention); use backend='upipe' or None"
         )
     return backend
 
@@ -108,24 +103,23 @@ class Scan:
         self.backend, self.reference, self.docs = backend, reference, docs
         self._cu = {}
 
-    def __call__(self, q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh):
+    def __call__(self, q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh, *, for_backward=False):
         """o `[B, S, h, e]` (v's dtype) for h value heads over g key heads (value head i
-        reads key head i // (h / g)); g fp32, beta in v's dtype."""
+        reads key head i // (h / g)); g fp32, beta in v's dtype. `for_backward`: a
+        recomputation whose backward follows at once (the "upipe" scan then keeps what its
+        backward needs instead of recomputing it; the others ignore it)."""
         if self.backend == "fla":
             return self._fla(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh)
         S = q_BSgd.shape[1]
-        outs = [
-            loops.chunk_scan(
-                self.reference,
-                q_BSgd[:, a:b],
-                k_BSgd[:, a:b],
-                v_BShe[:, a:b],
-                g=g_BSh[:, a:b],
-                beta=beta_BSh[:, a:b],
-                use_qk_l2norm_in_kernel=True,
-            )[0]
-            for a, b in _pieces(self.docs, S)
-        ]
+        outs = []
+        for a, b in _pieces(self.docs, S):
+            q, k, v, g, beta = (t[:, a:b] for t in (q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh))
+            if self.backend == "upipe":
+                outs.append(delta_rule(q, k, v, g, beta, for_backward=for_backward))
+            else:
+                outs.append(loops.chunk_scan(
+                    self.reference, q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True
+                )[0])  # fmt: skip
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _fla(self, q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh):

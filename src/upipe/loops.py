@@ -19,6 +19,12 @@
   same for backward (the chunk's state and corrected values), reading slices of tensors
   allocated once before the loop.
 
+- Chunk recurrences (`chunk_steps`, `upipe.kernels_delta_rule`): the loop across the
+  chunks of upipe's own delta rule, forward and backward, writes each chunk's output, state
+  and gradients into slices of tensors allocated once before the loop; an iteration's
+  temporaries (the corrected values, the next state, their gradients) have the same shapes
+  in every iteration and are freed by the next.
+
 All always run every iteration: what the compute code computes depends on its arguments
 alone. The planner's simulator, where nothing is computed, relies on the repetition to run
 fewer iterations: for one simulated step it substitutes these functions
@@ -41,6 +47,11 @@ def ring_steps(C: int, rank: int, block: Callable[[int, int], object]) -> list[t
     the block computed at the step that holds source rank src's kv, and `receives` whether
     the step also receives the next kv block: steps i = 0 .. C-1 with src = (rank - i) mod C."""
     return [(i == 0, block(rank, (rank - i) % C), i + 1 < C) for i in range(C)]
+
+
+def chunk_steps(n: int) -> range:
+    """The chunks 0 .. n-1 of a chunk recurrence (module doc)."""
+    return range(n)
 
 
 def chunk_scan(reference: Callable, *args, **kwargs):

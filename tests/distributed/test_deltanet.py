@@ -60,8 +60,9 @@ def _check(case, results):
 F32, BF16 = torch.float32, torch.bfloat16
 # (kind, strategy, heads_per_stage, docs, heads, scan backend, dtype)
 CASES = {
-    2: [
+    2: [  # (scan None: upipe's own, upipe.kernels_delta_rule)
         ("next", "upipe", None, DOCS, {}, None, F32),  # U = 2: a round of two stages
+        ("next", "upipe", None, DOCS, {}, "torch", F32),  # transformers' own scan
         ("3.5", "ulysses", None, None, {}, None, F32),
         ("3.5", "upipe", 4, None, {}, None, F32),  # one stage of every head
         ("next", "upipe", None, None, {}, None, BF16),

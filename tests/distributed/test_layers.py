@@ -28,7 +28,7 @@ LAYERS = {
     # closed forms, fake process group), line plots
     "base": (
         "upipe.torch_private", "upipe.kernels", "upipe.kernels_cuda", "upipe.kernels_select",
-        "upipe.kernels_deltanet",
+        "upipe.kernels_deltanet", "upipe.kernels_delta_rule",
         "upipe.comm", "upipe.heads", "upipe.packing", "upipe.mesh",
         "upipe.rope", "upipe.gemm",
         "upipe.loops", "upipe.launch", "upipe.memory", "upipe.plot",

@@ -86,6 +86,42 @@ def test_cut_scan_has_the_full_scans_memory(B, S, G, H, d, e, dtype):
     assert _scan_memory(B, 2 * S, G, H, d, e, dtype, sampled=True)[1] == ops
 
 
+def _rule_memory(B, S, G, H, d, e, dtype, *, sampled, for_backward):
+    """`_scan_memory` for upipe's own scan (`upipe.kernels_delta_rule.delta_rule`)."""
+    from upipe.kernels_delta_rule import delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, S, G, d, generator=gen, dtype=dtype) for _ in "qk")
+    v = torch.randn(B, S, H, e, generator=gen, dtype=dtype)
+    g, beta = -torch.rand(B, S, H, generator=gen), torch.rand(B, S, H, generator=gen).to(dtype)
+    for t in (q, k, v, g, beta):
+        t.requires_grad_()
+    shortcut = sampled_loops() if sampled else contextlib.nullcontext()
+    with shortcut, MemoryTracker() as mem, _Ops() as ops:
+        o = delta_rule(q, k, v, g, beta, for_backward=for_backward)
+        forward, kept = mem.peak_bytes, mem.current_bytes
+        mem.peak_bytes = kept
+        o.backward(torch.ones_like(o))
+        return (forward, kept, mem.peak_bytes, mem.current_bytes), ops.count
+
+
+@pytest.mark.parametrize("for_backward", [False, True])
+@pytest.mark.parametrize(
+    "B,S,G,H,d,e,dtype",
+    [(1, 640, 2, 4, 16, 16, torch.float32), (2, 600, 2, 2, 8, 16, torch.bfloat16)],
+)
+def test_cut_recurrence_has_the_full_loops_memory(B, S, G, H, d, e, dtype, for_backward):
+    """upipe's own scan with its chunk loops cut to 2 chunks (`upipe.planner.sampled`) holds
+    the same bytes as with all 10 at its forward peak, after forward, at its backward peak
+    and after backward, byte for byte, and runs as many operators at twice the length."""
+    kw = dict(for_backward=for_backward)
+    full, full_ops = _rule_memory(B, S, G, H, d, e, dtype, sampled=False, **kw)
+    cut, ops = _rule_memory(B, S, G, H, d, e, dtype, sampled=True, **kw)
+    assert cut == full
+    assert ops < full_ops
+    assert _rule_memory(B, 2 * S, G, H, d, e, dtype, sampled=True, **kw)[1] == ops
+
+
 FEATURES = dict(
     tiled_mlp=True, mlp_tile=128, chunked_loss=True, loss_chunk=128, activation_checkpoint=True
 )  # fmt: skip

@@ -178,7 +178,7 @@ def op_errors(rank, world_size, cases):
         elif name == "stages":
             kw["heads_per_stage"] = 3
         elif name == "reference":
-            kw["reference"] = None
+            kw["reference"], kw["backend"] = None, "torch"
         elif name == "backend":
             kw["backend"] = "triton"
         elif name == "documents_rank1" and rank == 1:

@@ -283,8 +283,9 @@ def gated_rms_norm(o, z, weight, eps):
     return (h * F.silu(z.float())).to(dtype)
 
 
-def mix(qk_BSc, vba_BSc, sw: StageWeights, step: Step, scan: Scan, d: int, e: int):
-    """This rank's heads of a step on the whole sequence: conv, gates and scan -> o_BShe."""
+def mix(qk_BSc, vba_BSc, sw: StageWeights, step: Step, scan: Scan, d, e, for_backward=False):
+    """This rank's heads of a step on the whole sequence: conv, gates and scan -> o_BShe
+    (`for_backward`: the scan's, `upipe.kernels_deltanet.Scan`)."""
     B, S = vba_BSc.shape[:2]
     h = sw.A_log.shape[0]
     if h == 0:  # no value head here in this stage (an uneven split's last stages): an
@@ -304,17 +305,19 @@ def mix(qk_BSc, vba_BSc, sw: StageWeights, step: Step, scan: Scan, d: int, e: in
             v_BShe[:, :, h0 : h0 + nh],
             g_BSh[..., h0 : h0 + nh],
             beta_BSh[..., h0 : h0 + nh],
+            for_backward=for_backward,
         )
         for h0, nh, k0, nk in step.segments
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def gated_output(qk_BSc, vba_BSc, z_BLne, sw: StageWeights, step: Step, plan, d, e):
+def gated_output(qk_BSc, vba_BSc, z_BLne, sw: StageWeights, step: Step, plan, d, e,
+                 for_backward=False):  # fmt: skip
     """The step's heads (every rank's) before out_proj, `[B, L, n, e]`: mix, the exchange
     back, the gated norm with z (differentiable: the staged backward recomputes it with a
-    graph)."""
-    o_BShe = mix(qk_BSc, vba_BSc, sw, step, plan.scan, d, e)
+    graph, `for_backward`)."""
+    o_BShe = mix(qk_BSc, vba_BSc, sw, step, plan.scan, d, e, for_backward)
     o_BLne = ValuesToSequence.apply(o_BShe, step.value_counts(), plan.ex)
     del o_BShe
     return gated_rms_norm(o_BLne, z_BLne.view(o_BLne.shape), sw.norm, plan.eps)

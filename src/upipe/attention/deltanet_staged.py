@@ -101,7 +101,7 @@ def _backward(dy, x, w: DeltaNetWeights, plan):
         ]
         with torch.enable_grad():
             sw = StageWeights(*leaves)
-            out_BLne = gated_output(qk_BSc, vba_BSc, z_ND, sw, step, plan, d, e)
+            out_BLne = gated_output(qk_BSc, vba_BSc, z_ND, sw, step, plan, d, e, True)
             # y = out W_out[s]^T: the output rows' gradient and dout by hand (no [N, D] root)
             dout_BLne = (dy_ND @ out_rows.t()).view(out_BLne.shape)
             dqk, dvba_BSc, dz_ND, *dparams = torch.autograd.grad(

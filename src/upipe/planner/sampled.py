@@ -27,6 +27,12 @@ before the rest is freed), with the same bytes live.
 `tests/distributed/test_plan_hybrid.py` compares the scan's peaks forward and backward with
 the full loop's, byte for byte.
 
+A chunk recurrence (`loops.chunk_steps`: upipe's own delta rule, `upipe.kernels_delta_rule`,
+the Gated DeltaNet layer's default scan off fla) runs its first `RECURRENCE_CHUNKS` chunks,
+forward and backward: an iteration writes into slices of buffers allocated before the loop
+and allocates nothing, so the loop's bytes are those of its first chunk.
+`tests/distributed/test_plan_hybrid.py` compares them with the full loop's, byte for byte.
+
 Why the simulator substitutes the loops rather than the loops having a mode: the shortcut
 leaves real outputs unwritten or wrong, so no compute code may ever be left in it. Here it
 exists only on the simulator's own path: `StepSimulator.step` swaps these functions into
@@ -52,12 +58,18 @@ from upipe import loops
 from upipe.torch_private import saved_tensor_hooks_active
 
 SCAN_CHUNKS = 4  # chunks of a chunk scan run (module doc)
+RECURRENCE_CHUNKS = 2  # chunks of a chunk recurrence run (module doc)
 CHUNK = 64  # transformers' chunk size (`torch_chunk_gated_delta_rule`'s default)
 
 
 def _tile_starts(length: int, tile: int) -> range:
     """The first two tiles of `loops.tile_starts`."""
     return range(0, length, tile)[:2]
+
+
+def _chunk_steps(n: int) -> range:
+    """The first `RECURRENCE_CHUNKS` chunks of `loops.chunk_steps`."""
+    return range(n)[:RECURRENCE_CHUNKS]
 
 
 def _ring_steps(C: int, rank: int, block: Callable[[int, int], object]) -> list[tuple]:
@@ -160,5 +172,9 @@ def sampled_loops():
     """Within the block `upipe.loops` takes the shortcut above (for fake tensors only: real
     outputs would be left unwritten or wrong)."""
     return mock.patch.multiple(
-        loops, tile_starts=_tile_starts, ring_steps=_ring_steps, chunk_scan=_chunk_scan
+        loops,
+        tile_starts=_tile_starts,
+        ring_steps=_ring_steps,
+        chunk_scan=_chunk_scan,
+        chunk_steps=_chunk_steps,
     )

@@ -1,0 +1,216 @@
+"""The chunked gated delta rule with a backward of its own: the scan backend "upipe" of the
+Gated DeltaNet layer (`upipe.kernels_deltanet`), for the CPU and for CUDA without fla.
+
+Legend: B batch, S sequence, h value heads, g key heads (value head i reads key head
+i // (h / g)), d key head dim, e value head dim, T = 64 tokens a chunk, n chunks.
+
+It computes what transformers' `torch_chunk_gated_delta_rule` computes (the same operations
+in the same order, in fp32, or fp64 for fp64 inputs), split in two:
+
+- the chunk-local part, independent per chunk (all chunks at once, in autograd), with
+  q, k l2-normalised and q scaled by d^-1/2, beta in (0, 1), g <= 0 (log decays):
+
+      c = cumsum(g) in the chunk         R_ij = exp(c_i - c_j) for i >= j, else 0
+      M = I + strict lower part of (beta K K^T * R)      (unit lower triangular)
+      u = M^-1 (beta V)    w = M^-1 (beta e^c K)    P = (Q K^T) * R
+      Q' = e^c Q    K' = e^(c_T - c) K    lam = e^(c_T)
+
+- the recurrence across chunks (a Python loop; state X `[d, e]` per head, X_0 = 0):
+
+      v' = u - w X     o = Q' X + P v'     X_next = lam X + K'^T v'
+
+  and its gradient by hand, walking the chunks backwards with the carried dX:
+
+      dv' = P^T do + K' dX_next      dP = do v'^T      dQ' = do X^T      dK' = v' dX_next^T
+      dlam = <X, dX_next>    du = dv'    dw = -dv' X^T    dX = Q'^T do + lam dX_next - w^T dv'
+
+Why not autograd through transformers' function: its loop writes each chunk's output into
+a slice of one tensor, and autograd copies that whole tensor's gradient once per chunk in
+backward (CopySlices: O(n S) bytes); its backward also needs its forward's graph, so a
+layer that recomputes its forward for backward (UPipe's stages) runs the scan's forward
+twice. Here the forward saves only its inputs, as fla's kernel does
+(`fla/ops/gated_delta_rule/chunk.py`); the backward recomputes the chunk-local part with a
+graph and the chunk states X_c (`[n, d, e]` per head), runs the loop above, and
+differentiates the local part against its result (`torch.autograd.grad`). A forward called
+with `for_backward=True` -- a recomputation right before its backward -- builds that graph
+and keeps the states at once, so its backward recomputes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from upipe import loops
+
+T = 64
+"""tokens per chunk (transformers' and fla's)"""
+
+
+def _l2norm(x, eps=1e-6):
+    """x / sqrt(sum x^2 + eps) over the last dim (transformers' `l2norm`, fla's)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _local(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh):
+    """The chunk-local part (module doc) of padded, chunked fp32 copies: u, w, P, Q', K'
+    `[B, h, n, T, .]` and lam `[B, h, n]`."""
+    h, g = v_BShe.shape[2], q_BSgd.shape[2]
+    dtype = _compute_dtype(v_BShe.dtype)
+    if h != g:
+        q_BSgd, k_BSgd = (t.repeat_interleave(h // g, dim=2) for t in (q_BSgd, k_BSgd))
+    q, k, v, beta, decay = (
+        t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+        for t in (q_BSgd, k_BSgd, v_BShe, beta_BSh, g_BSh)
+    )
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    S = q.shape[2]
+    pad = -S % T
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    beta, decay = (F.pad(t, (0, pad)) for t in (beta, decay))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (t.unflatten(2, (-1, T)) for t in (q, k, k_beta, v_beta))
+    c = decay.unflatten(2, (-1, T)).cumsum(dim=-1)
+    upper = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    R = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * R
+    P = (q @ k.transpose(-1, -2)) * R
+    decayed_k_beta = k_beta * c.exp().unsqueeze(-1)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, decayed_k_beta, upper=False, unitriangular=True)
+    q_dec = q * c.exp().unsqueeze(-1)
+    k_dec = k * (c[..., -1:] - c).exp().unsqueeze(-1)
+    lam = c[..., -1].exp()
+    return u, w, P, q_dec, k_dec, lam
+
+
+def _recurrence(local):
+    """The loop across chunks (module doc), no graph: (X_c, v'_c) of every chunk, `[n, b,
+    d, e]` and `[n, b, T, e]` with b = B h (chunk-major: each iteration writes contiguous
+    blocks). Four in-place operations a chunk; everything else is batched over the chunks."""
+    u, w, _, _, k_dec, lam = (t.flatten(0, 1) for t in local)  # [b, n, ...]
+    b, n, _, e = u.shape
+    k_dec_t, lam = k_dec.transpose(-1, -2), lam[..., None, None]
+    states = u.new_empty(n, b, w.shape[-1], e)
+    v_new = u.new_empty(n, b, *u.shape[2:])
+    X = u.new_zeros(b, w.shape[-1], e)
+    for c in loops.chunk_steps(n):
+        states[c].copy_(X)
+        torch.baddbmm(u[:, c], w[:, c], X, alpha=-1, out=v_new[c])  # v' = u - w X
+        X.mul_(lam[:, c]).baddbmm_(k_dec_t[:, c], v_new[c])  # X = lam X + K'^T v'
+    return states, v_new
+
+
+def _output(local, states, v_new):
+    """o = Q' X + P v' of every chunk, `[B, h, n, T, e]` (batched)."""
+    _, _, P, q_dec, _, _ = local
+    o = q_dec @ _chunk_last(states, P.shape)
+    o += P @ _chunk_last(v_new, P.shape)
+    return o
+
+
+def _chunk_last(t_nb, shape):
+    """A chunk-major `[n, b, ...]` seen as `[B, h, n, ...]` (b = B h) for `shape[:2]`."""
+    return t_nb.transpose(0, 1).unflatten(0, shape[:2])
+
+
+def _recurrence_backward(local, states, v_new, do):
+    """The gradient of the loop's inputs (u, w, P, Q', K', lam) for the output gradient
+    `do` `[B, h, n, T, e]` (module doc; the final state has none): the carried dX in a
+    loop of four in-place operations a chunk, the rest batched over the chunks."""
+    u, w, P, q_dec, k_dec, lam = local
+    shape = u.shape
+    X, v_new = _chunk_last(states, shape), _chunk_last(v_new, shape)
+    P_t_do = (P.transpose(-1, -2) @ do).flatten(0, 1)  # [b, n, T, e]
+    q_t_do = (q_dec.transpose(-1, -2) @ do).flatten(0, 1)  # [b, n, d, e]
+    k_dec, w_t = k_dec.flatten(0, 1), w.flatten(0, 1).transpose(-1, -2)
+    lam_b = lam.flatten(0, 1)[..., None, None]
+    n, b = states.shape[:2]
+    dv_new = u.new_empty(n, b, *shape[3:])
+    dX_next = torch.empty_like(states)
+    dX = u.new_zeros(states.shape[1:])
+    for c in reversed(loops.chunk_steps(n)):
+        dX_next[c].copy_(dX)
+        torch.baddbmm(P_t_do[:, c], k_dec[:, c], dX, out=dv_new[c])  # P^T do + K' dX
+        dX.mul_(lam_b[:, c]).add_(q_t_do[:, c]).baddbmm_(w_t[:, c], dv_new[c], alpha=-1)
+    del P_t_do, q_t_do
+    dv_new, dX_next = _chunk_last(dv_new, shape), _chunk_last(dX_next, shape)
+    dP = do @ v_new.transpose(-1, -2)
+    dq_dec = do @ X.transpose(-1, -2)
+    dk_dec = v_new @ dX_next.transpose(-1, -2)
+    dlam = (X * dX_next).sum(dim=(-2, -1))
+    dw = -(dv_new @ X.transpose(-1, -2))
+    return dv_new, dw, dP, dq_dec, dk_dec, dlam
+
+
+def _unchunk(o_BhnTe, S, dtype):
+    """[B, h, n, T, e] -> [B, S, h, e] in `dtype` (padding dropped)."""
+    o_BhSe = o_BhnTe.flatten(2, 3)[:, :, :S]
+    return o_BhSe.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+def _chunked(do_BShe, n, dtype):
+    """The inverse of `_unchunk` for a gradient: [B, S, h, e] -> [B, h, n, T, e] in `dtype`."""
+    do_BhSe = do_BShe.transpose(1, 2).to(dtype)
+    return F.pad(do_BhSe, (0, 0, 0, n * T - do_BhSe.shape[2])).unflatten(2, (n, T))
+
+
+def _local_graph(inputs, needs_grad):
+    """(leaves detached from `inputs`, the local part computed from them with a graph)."""
+    needs = needs_grad[: len(inputs)]  # (not the flag)
+    leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs, strict=True)]
+    with torch.enable_grad():
+        return leaves, _local(*leaves)
+
+
+class _DeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, for_backward):
+        inputs = (q, k, v, g, beta)
+        if for_backward:
+            leaves, local = _local_graph(inputs, ctx.needs_input_grad)
+            detached = [t.detach() for t in local]
+            ctx.leaves, ctx.local, ctx.loop = leaves, local, _recurrence(detached)
+            o = _output(detached, *ctx.loop)
+        else:
+            ctx.save_for_backward(*inputs)
+            local = _local(*inputs)
+            o = _output(local, *_recurrence(local))
+        ctx.for_backward = for_backward
+        return _unchunk(o, v.shape[1], v.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        if not ctx.for_backward:
+            leaves, local = _local_graph(ctx.saved_tensors, ctx.needs_input_grad)
+            loop = _recurrence([t.detach() for t in local])
+        elif ctx.local is None:
+            raise RuntimeError(
+                "delta_rule(for_backward=True) runs its backward once (its graph is freed)"
+            )
+        else:  # (dropped from ctx: freed as soon as the gradients are computed)
+            leaves, local, loop = ctx.leaves, ctx.local, ctx.loop
+            ctx.leaves = ctx.local = ctx.loop = None
+        do_chunked = _chunked(do, local[0].shape[2], local[0].dtype)
+        dlocal = _recurrence_backward([t.detach() for t in local], *loop, do_chunked)
+        del loop, do_chunked
+        wanted = [t for t in leaves if t.requires_grad]
+        roots = [(t, dt) for t, dt in zip(local, dlocal, strict=True) if t.requires_grad]
+        outputs, grad_outputs = zip(*roots, strict=True)
+        grads = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True))
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None)
+
+
+def delta_rule(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh, *, for_backward=False):
+    """The chunked gated delta rule (module doc) from a zero state, q and k l2-normalised
+    in the kernel: o `[B, S, h, e]` in v's dtype, differentiable w.r.t. every input.
+    Arguments as transformers' `torch_chunk_gated_delta_rule` takes them (g fp32).
+    `for_backward`: this call recomputes a forward whose backward follows at once (keep
+    the chunk states and the local graph: the backward recomputes nothing)."""
+    return _DeltaRule.apply(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh, for_backward)

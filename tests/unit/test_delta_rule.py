@@ -1,0 +1,141 @@
+"""upipe's own chunked gated delta rule (upipe.kernels_delta_rule) against the rule's
+definition token by token in float64 (forward and every input's gradient), against
+transformers' torch implementation in fp32, and in bf16 within that implementation's own
+bf16 error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import TOL, bf16_bound, rel_err
+
+from upipe.kernels_delta_rule import delta_rule
+
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
+
+
+def _definition(q, k, v, g, beta):
+    """The gated delta rule token by token (upipe.kernels_deltanet's module doc), float64:
+    M_t = e^g M + beta k (v - e^g M^T k)^T, o_t = M_t^T q / sqrt(d), q and k l2-normalised
+    (transformers' eps 1e-6 inside the root)."""
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    B, S, G, d = q.shape
+    H, e = v.shape[2:]
+    q, k = (t.repeat_interleave(H // G, dim=2) for t in (q, k))
+    q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    M = q.new_zeros(B, H, d, e)
+    outs = []
+    for t in range(S):
+        decay = g[:, t].exp()[..., None, None]
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t][..., None]
+        M = decay * M
+        M = M + kt.unsqueeze(-1) * (bt * (vt - (M * kt.unsqueeze(-1)).sum(-2))).unsqueeze(-2)
+        outs.append((M * q[:, t].unsqueeze(-1)).sum(-2) * d**-0.5)
+    return torch.stack(outs, dim=1)
+
+
+def _inputs(B, S, G, H, d, e, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, S, G, d, generator=gen).to(dtype) for _ in "qk")
+    v = torch.randn(B, S, H, e, generator=gen).to(dtype)
+    g = -0.3 * torch.rand(B, S, H, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, S, H, generator=gen).to(dtype)
+    return q, k, v, g.to(F64 if dtype == F64 else F32), beta
+
+
+def _run(fn, inputs, do, needs=(True,) * 5):
+    leaves = [t.detach().clone().requires_grad_(n) for t, n in zip(inputs, needs, strict=True)]
+    o = fn(*leaves)
+    wanted = [t for t in leaves if t.requires_grad]
+    grads = iter(torch.autograd.grad(o, wanted, do.to(o.dtype)))
+    return o, [next(grads) if t.requires_grad else None for t in leaves]
+
+
+def _errors(o, grads, ref_o, ref_grads):
+    """`rel_err` of the output and of each input's gradient."""
+    return [rel_err(o, ref_o)] + [rel_err(a, b) for a, b in zip(grads, ref_grads, strict=True)]
+
+
+SHAPES = [
+    (1, 64, 1, 1, 8, 8),  # one whole chunk
+    (2, 150, 2, 4, 8, 16),  # two chunks and a padded third, key heads repeated, batch 2
+    (1, 200, 3, 3, 16, 8),  # d > e
+]
+
+
+@pytest.mark.parametrize("for_backward", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_the_definition(shape, for_backward):
+    """fp64 to 1e-10 and fp32 within the fp32 tolerance of the token-by-token definition,
+    the output and the gradient of each of q, k, v, g, beta."""
+    B, S, G, H, d, e = shape
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(B, S, H, e, generator=gen, dtype=F64)
+    ref_o, ref_grads = _run(_definition, _inputs(*shape, F64), do)
+    for dtype, bound in ((F64, 1e-10), (F32, TOL[F32]["bwd"])):
+        o, grads = _run(
+            lambda *a: delta_rule(*a, for_backward=for_backward), _inputs(*shape, dtype), do
+        )
+        assert o.dtype == dtype
+        errors = _errors(o, grads, ref_o, ref_grads)
+        assert max(errors) < bound, (dtype, errors)
+
+
+def test_equals_transformers_torch_scan_in_fp32():
+    """The same operations in the same order as transformers' `torch_chunk_gated_delta_rule`
+    forward: its output to fp32 rounding (1e-6), and its autograd gradients likewise."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    from upipe.integrations.hf_deltanet import torch_scan
+
+    reference = torch_scan(modeling_qwen3_next)
+    inputs = _inputs(2, 150, 2, 4, 8, 16, F32)
+    do = torch.randn(2, 150, 4, 16, generator=torch.Generator().manual_seed(2))
+
+    def theirs(q, k, v, g, beta):
+        return reference(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+    (o, grads), (ref_o, ref_grads) = _run(delta_rule, inputs, do), _run(theirs, inputs, do)
+    errors = _errors(o, grads, ref_o, ref_grads)
+    assert max(errors) < 1e-6, errors
+
+
+def test_bf16_within_the_torch_scans_own_bf16_error():
+    """bf16 inputs (computed in fp32, the output rounded to bf16): within `bf16_bound` of
+    what transformers' scan does with the same bf16 inputs, each against the definition."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    from upipe.integrations.hf_deltanet import torch_scan
+
+    reference = torch_scan(modeling_qwen3_next)
+    shape = (1, 150, 2, 4, 8, 16)
+    inputs = _inputs(*shape, BF16)
+    do = torch.randn(1, 150, 4, 16, generator=torch.Generator().manual_seed(3))
+    ref_o, ref_grads = _run(_definition, inputs, do)
+
+    def theirs(q, k, v, g, beta):
+        return reference(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+    def errors(fn):
+        return _errors(*_run(fn, inputs, do), ref_o, ref_grads)
+
+    ours, single = errors(delta_rule), errors(theirs)
+    assert all(a < bf16_bound(b) for a, b in zip(ours, single, strict=True)), (ours, single)
+
+
+def test_inputs_without_gradient_and_one_backward():
+    """Inputs that need no gradient get None (the others are still exact); a forward with
+    for_backward=True refuses a second backward with a clear error."""
+    inputs = _inputs(1, 100, 1, 2, 8, 8, F64)
+    do = torch.randn(1, 100, 2, 8, dtype=F64, generator=torch.Generator().manual_seed(4))
+    _, full = _run(delta_rule, inputs, do)
+    _, part = _run(delta_rule, inputs, do, needs=(True, False, True, False, False))
+    assert part[1] is None and part[3] is None and part[4] is None
+    assert torch.equal(part[0], full[0]) and torch.equal(part[2], full[2])
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    o = delta_rule(*leaves, for_backward=True)
+    o.backward(do, retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs its backward once"):
+        o.backward(do)
