@@ -18,9 +18,10 @@ unchanged, and per call sees their weights per head (`weights`):
 - conv1d's taps `[G d | G d | H e, 1, K]` (q, k, v channels, as the model concatenates
   them) and out_proj `[D, H e]` (seen heads first) alike for both.
 
-The scan is the model's own torch implementation (`torch_chunk_gated_delta_rule` of the
-model's module, unwrapped from transformers' kernel dispatch) on the CPU, fla's kernel on
-CUDA when installed (`upipe.kernels_deltanet`). Refused (ValueError at conversion):
+The scan (`scan_backend`, `upipe.kernels_deltanet`) is by default fla's kernel on CUDA when
+installed, else upipe's own chunked rule (`upipe.kernels_delta_rule`); "torch" runs the
+model's own torch implementation (`torch_chunk_gated_delta_rule` of the model's module,
+unwrapped from transformers' kernel dispatch). Refused (ValueError at conversion):
 conv biases, an activation other than SiLU (the variants these models do not have).
 """
 
@@ -111,7 +112,7 @@ class HFContextParallelDeltaNet(nn.Module):
         U = all_heads(self.H, C) if strategy == "ulysses" else heads_per_stage
         check_stages(self.H, self.G, C, U, keyword)
         self.group, self.strategy, self.heads_per_stage = group, strategy, heads_per_stage
-        self.scan_backend = None  # auto: fla on CUDA where installed (upipe.kernels_deltanet)
+        self.scan_backend = None  # auto: fla on CUDA where installed, else "upipe"
         hf_module = importlib.import_module(type(hf_layer).__module__)
         self.reference = torch_scan(hf_module)
         self._state = state  # the model call's validated documents (set by the input hook)

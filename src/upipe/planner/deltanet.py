@@ -3,14 +3,15 @@ flash-linear-attention's chunk kernel, and its FLOPs.
 
 On a GPU upipe runs the chunked gated delta rule with fla's `chunk_gated_delta_rule` where
 flash-linear-attention is installed (`upipe.kernels_deltanet`); the planner plans that path
-(`upipe plan --device cuda`, the default; with --device cpu it plans transformers' torch
-scan, cut short by `upipe.planner.sampled`). fla's kernels are Triton: they cannot run here,
-and nothing of them is needed but what they allocate. `fla_kernels()` puts `DeltaRuleMemory`
-in fla's place for a simulated step: an autograd Function that allocates, frees and saves
-for backward the tensors of `ChunkGatedDeltaRuleFunction` in the order its Python code does
-(read from fla-org/flash-linear-attention, fla/ops/gated_delta_rule/chunk.py and the
-functions it calls, at commit 92396f2, the contract `upipe.kernels_deltanet` was written
-against), computing nothing:
+(`upipe plan --device cuda`, the default; with --device cpu it plans upipe's own scan,
+`upipe.kernels_delta_rule`, its loops cut short by `upipe.planner.sampled`). fla's kernels
+are Triton: they cannot run here, and nothing of them is needed but what they allocate.
+`fla_kernels()` puts `DeltaRuleMemory` in fla's place for a simulated step: an autograd
+Function that allocates, frees and saves for backward the tensors of
+`ChunkGatedDeltaRuleFunction` in the order its Python code does (read from
+fla-org/flash-linear-attention, fla/ops/gated_delta_rule/chunk.py and the functions it calls,
+at commit 92396f2, the contract `upipe.kernels_deltanet` was written against), computing
+nothing:
 
 forward (q, k `[B, T, h, d]`, v `[B, T, h, e]` in dtype X; g `[B, T, h]` fp32, beta
 `[B, T, h]`; NT = ceil(T / 64) chunks):

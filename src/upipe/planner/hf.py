@@ -29,7 +29,7 @@ inputs on the meta device counted as host memory, `.item()` answering 1).
 Hybrid models (Qwen3-Next, `is_hybrid`): the Gated DeltaNet layers run as
 `apply_context_parallel` converts them (split by heads, UPipe's stages with the candidate's
 heads per stage; ring and USP refused, `hybrid_problem`), their scan with fla's kernel's
-memory on CUDA (`upipe.planner.deltanet`) or transformers' torch scan cut short on the CPU
+memory on CUDA (`upipe.planner.deltanet`) or upipe's own scan, loops cut short, on the CPU
 (`upipe.planner.sampled`); the MoE experts are transformers' own (3-D parameters, one
 grouped GEMM per projection, experts_implementation "grouped_mm", its default), sharded by
 FSDP2 over every rank with the rest of their layer (no expert parallelism: each layer's

@@ -58,7 +58,7 @@ class PlanConfig:
     hybrid qwen3-next-80b-a3b), its model class simulated with apply_context_parallel, FSDP2
     and AdamW, weights, gradients and AdamW states in --dtype (--master-dtype is not used;
     upipe.planner.hf; a hybrid's Gated DeltaNet layers scan with fla's kernel on cuda,
-    transformers' torch scan on cpu: docs/hybrid.md)."""
+    upipe's own scan on cpu: docs/hybrid.md)."""
     gpus: int = 8
     """Number of GPUs (ranks)."""
     gpu_memory_gib: float | None = None

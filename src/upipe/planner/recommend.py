@@ -99,7 +99,7 @@ def recommend(pc: plan.PlanConfig, rc: RecommendConfig, progress=None) -> dict:
     if hybrid and pc.device != "cuda":
         raise ValueError(
             "--recommend for a hybrid model times fla's Gated DeltaNet kernels on CUDA: use "
-            "--device cuda (on the CPU the torch scan would be counted chunk by chunk)"
+            "--device cuda (the CPU's scan is not timed)"
         )
     host_budget = pc.host_memory_gib * GiB
     rows, todo = [], []
