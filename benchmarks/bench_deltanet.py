@@ -3,8 +3,9 @@ against all heads at once (Ulysses) and against the unsharded layer (docs/hybrid
 
     .venv/bin/python benchmarks/bench_deltanet.py --world 4 --seq-len 16384 --repeats 3
 
-A method is STRATEGY[:U][@SCAN] (`--methods ulysses@torch upipe:4@torch` times both with
-transformers' own torch scan; without @, the automatic backend: upipe's own scan on the CPU).
+A method is STRATEGY[:U][+keep][@SCAN]: `upipe:4+keep` keeps each stage's inputs for
+backward (`stage_inputs="keep"`); `--methods ulysses@torch upipe:4@torch` times both with
+transformers' own torch scan (without @, the automatic backend: upipe's own on the CPU).
 
 Legend: B batch, S sequence, L = S / C tokens per rank, D width, H value heads, G key heads,
 d = e head dims, U value heads per stage, C ranks.
@@ -87,6 +88,7 @@ def _modules(args, group):
     out = {}
     for method in args.methods:
         spec, _, scan = method.partition("@")
+        spec, _, keep = spec.partition("+")
         strategy, _, U = spec.partition(":")
         out[method] = HFContextParallelDeltaNet(
             _layer(args),
@@ -94,6 +96,7 @@ def _modules(args, group):
             strategy=strategy,
             heads_per_stage=int(U) if U else None,
             state={"docs": None},
+            stage_inputs=keep or "recompute",
         )
         out[method].scan_backend = scan or None
     return out
@@ -137,8 +140,9 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=["ulysses", "upipe:4", "upipe:8"],
-                   help="STRATEGY[:U][@SCAN]: ulysses or upipe, U value heads per stage, "
-                   "the scan backend (upipe.kernels_deltanet; default: automatic)")  # fmt: skip
+                   help="STRATEGY[:U][+keep][@SCAN]: ulysses or upipe, U value heads per "
+                   "stage, +keep: stage_inputs='keep', the scan backend "
+                   "(upipe.kernels_deltanet; default: automatic)")  # fmt: skip
     p.add_argument("--no-unsharded", action="store_true", help="skip the one-process layer")
     p.add_argument("--json", help="also write the JSON document here")
     args = p.parse_args(argv)

@@ -41,12 +41,14 @@ def _errors(results, y, dx, grads):
 def _check(case, results):
     """Every rank's y and dx block and the summed gradients vs the unconverted layer (fp32);
     bf16 within `bf16_bound` of the unconverted layer's own bf16 error, each against fp32."""
-    kind, strategy, _, docs, heads, _, dtype = case
+    kind, spec, _, docs, heads, _, dtype = case
+    strategy, _, keep = spec.partition("+")
     y, dx, grads = _reference(kind, docs, tuple(heads.items()))
     C = len(results)
     for r in results:
         assert list(r[2]) == list(grads)  # the layer's parameters, under their names
         assert f"strategy='{strategy}'" in r[3] and f"group_size={C}" in r[3]
+        assert f"stage_inputs='{keep or 'recompute'}'" in r[3]
     errs = _errors(results, y, dx, grads)
     if dtype == torch.float32:
         bounds = dict.fromkeys(errs, TOL32["bwd"])
@@ -63,6 +65,7 @@ CASES = {
     2: [  # (scan None: upipe's own, upipe.kernels_delta_rule)
         ("next", "upipe", None, DOCS, {}, None, F32),  # U = 2: a round of two stages
         ("next", "upipe", None, DOCS, {}, "torch", F32),  # transformers' own scan
+        ("next", "upipe+keep", None, DOCS, {}, None, F32),  # stage inputs kept, not recomputed
         ("3.5", "ulysses", None, None, {}, None, F32),
         ("3.5", "upipe", 4, None, {}, None, F32),  # one stage of every head
         ("next", "upipe", None, None, {}, None, BF16),
@@ -71,6 +74,7 @@ CASES = {
     4: [
         ("next", "ulysses", None, DOCS, {}, None, F32),  # 2 key heads on 4 ranks: replicated
         ("3.5", "upipe", 4, DOCS, UNEVEN, None, F32),  # uneven: 2, 2, 1, 1 value heads
+        ("3.5", "upipe+keep", 4, DOCS, UNEVEN, None, F32),
         ("next", "upipe", 8, None, dict(linear_num_value_heads=8), None, F32),  # two rounds
     ],
 }
@@ -104,6 +108,7 @@ OP_ERRORS = {
     "stages": "Gated DeltaNet (4 value heads, 2 key heads): heads_per_stage (3)",
     "reference": "the 'torch' scan needs reference=",
     "backend": "unknown scan backend 'triton'",
+    "stage_inputs": "stage_inputs must be one of ('recompute', 'keep'), got 'offload'",
     "documents_rank1": "cu_seqlens must start at 0 and end at the full sequence length 128",
 }
 

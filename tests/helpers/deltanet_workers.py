@@ -76,15 +76,17 @@ def reference(kind, docs=None, dtype=torch.float32, **heads):
 def run_layer(rank, world_size, cases):
     """Each case (kind, strategy, heads_per_stage, docs, heads, backend, dtype) through
     upipe's layer on this rank's block of `inputs()`: (y, dx, parameter gradients summed over
-    the ranks, the line of the layer's repr that names its strategy)."""
+    the ranks, the line of the layer's repr that names its strategy). A strategy
+    "upipe+keep" is UPipe with stage_inputs="keep"."""
     from upipe.integrations.hf_deltanet import HFContextParallelDeltaNet
 
     group = dist.group.WORLD
     found = []
-    for kind, strategy, U, docs, heads, backend, dtype in cases:
+    for kind, spec, U, docs, heads, backend, dtype in cases:
+        strategy, _, keep = spec.partition("+")
         module = HFContextParallelDeltaNet(
             hf_layer(kind, **heads).to(dtype), group=group, strategy=strategy,
-            heads_per_stage=U, state={"docs": docs},
+            heads_per_stage=U, state={"docs": docs}, stage_inputs=keep or "recompute",
         )  # fmt: skip
         module.scan_backend = backend
         x, dy = (shard_sequence(t.to(dtype), group=group) for t in inputs())
@@ -181,6 +183,8 @@ def op_errors(rank, world_size, cases):
             kw["reference"], kw["backend"] = None, "torch"
         elif name == "backend":
             kw["backend"] = "triton"
+        elif name == "stage_inputs":
+            kw["stage_inputs"] = "offload"
         elif name == "documents_rank1" and rank == 1:
             kw["cu_seqlens"] = (0, 5, SEQ - 1)
         try:

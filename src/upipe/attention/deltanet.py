@@ -62,6 +62,9 @@ def all_heads(H: int, C: int) -> int:
     return C * -(-H // C)
 
 
+STAGE_INPUTS = ("recompute", "keep")
+"""What UPipe's stages do with their inputs for backward (`gated_deltanet`)."""
+
 WORDS = dict(query="value heads", kv="key heads")
 """The attention's head rules (`upipe.heads`) hold for value heads over key heads."""
 
@@ -96,6 +99,7 @@ def gated_deltanet(
     cu_seqlens=None,
     backend=None,
     eps=1e-6,
+    stage_inputs="recompute",
 ):
     """The Gated DeltaNet layer (module doc) on this rank's tokens x `[B, L, D]` (contiguous
     layout: rank r holds tokens r*L .. (r+1)*L-1): y `[B, L, D]`, differentiable w.r.t. x and
@@ -107,7 +111,10 @@ def gated_deltanet(
     the chunked rule (transformers' `torch_chunk_gated_delta_rule`), for `backend` "torch"
     (`upipe.kernels_deltanet`; None: "fla" on CUDA where installed). `cu_seqlens`: document
     boundaries `[0, e_1, ..., S]` of the full sequence (the state and the convolution
-    restart at each). `eps`: the gated norm's. Checked on every rank before any collective.
+    restart at each). `eps`: the gated norm's. `stage_inputs` (UPipe): "recompute" (only x
+    and the weights kept for backward) or "keep" (each stage's exchanged inputs and z kept
+    too: no projection or exchange in backward, more memory; `deltanet_staged`). Checked on
+    every rank before any collective.
     """
     C = check_group(group)
     docs = DocumentsArg(cu_seqlens)
@@ -117,6 +124,8 @@ def gated_deltanet(
     def local():
         if strategy not in ("ulysses", "upipe"):
             raise ValueError(f"strategy must be 'ulysses' or 'upipe', got {strategy!r}")
+        if stage_inputs not in STAGE_INPUTS:
+            raise ValueError(f"stage_inputs must be one of {STAGE_INPUTS}, got {stage_inputs!r}")
         U = all_heads(H, C) if strategy == "ulysses" else heads_per_stage
         found["U"] = check_stages(H, G, C, U)
         D = weights.q.shape[-1]
@@ -134,7 +143,8 @@ def gated_deltanet(
 
     def signature():
         return {"x shape": tuple(x.shape), "dtype": str(x.dtype), "U": found["U"],
-                "backend": found["backend"], **docs.signature()}  # fmt: skip
+                "backend": found["backend"], "stage_inputs": stage_inputs,
+                **docs.signature()}  # fmt: skip
 
     agree_across_ranks(group, local, signature)
     rank = dist.get_rank(group)
@@ -147,7 +157,14 @@ def gated_deltanet(
     )
     if strategy == "ulysses":
         return ulysses_deltanet(x, weights, plan)
-    return staged_deltanet(x, weights, plan)
+    return staged_deltanet(x, weights, plan, stage_inputs)
 
 
-__all__ = ["DeltaNetWeights", "all_heads", "check_stages", "gated_deltanet", "heads_problem"]
+__all__ = [
+    "STAGE_INPUTS",
+    "DeltaNetWeights",
+    "all_heads",
+    "check_stages",
+    "gated_deltanet",
+    "heads_problem",
+]

@@ -15,8 +15,10 @@ stages. Forward, per stage s (no graph):
     y += gated_norm(o_BLUe, x W_z[s]^T) W_out[:, s]^T                (y: one fp32 [N, D])
 
 the round's q | k channels (this rank's key heads, before the convolution) kept until its
-last stage. Saved for backward: x and the weights only. Backward, per stage: the same
-projection and exchange without a graph; then, with one, from leaves at the exchanged
+last stage. Saved for backward: x and the weights only -- or, with `stage_inputs="keep"`,
+also each stage's received inputs and its z (what the backward would recompute first).
+Backward, per stage: the same projection and exchange without a graph (or the kept
+ones); then, with one, from leaves at the exchanged
 inputs, the stage's convolutions, gates, scan, exchange back, gated norm and output rows
 are recomputed and differentiated against dy (`torch.autograd.grad`): that gives dx
 (through z), the stage's parameter gradients (added into fp32 accumulators) and the
@@ -25,8 +27,11 @@ stage with the round's summed dq | dk), then dW_s = d^T x and dx += d W_s.
 
 Memory (per rank, excluding parameters): x, y, dy, dx (fp32), plus one stage -- its packed
 projection in both layouts and the scan's buffers for u value heads (docs/hybrid.md has
-the formula and the measurement) -- instead of every head's at once (Ulysses, deltanet.py).
-Time: the recomputation repeats each stage's forward (projections, exchange, scan) once.
+the formula and the measurement) -- instead of every head's at once (Ulysses, deltanet.py);
+"keep" adds every stage's inputs, B L (2 G d + H (e + 2) + H e) elements (more where key
+heads are replicated), from forward to backward. Time: the recomputation repeats each
+stage's forward once -- projections and exchange (not with "keep"), convolution, gates,
+gated norm and the scan's output (the scan's states are computed once: `for_backward`).
 """
 
 from __future__ import annotations
@@ -49,20 +54,25 @@ from upipe.gemm import addmm_acc_
 from upipe.kernels import acc_dtype
 
 
-def _forward(x, w: DeltaNetWeights, plan):
+def _forward(x, w: DeltaNetWeights, plan, keep: bool):
+    """(y, the stages' kept inputs: each step's received inputs and z, if `keep`)."""
     B, L, D = x.shape
     H, G, d, e = w.heads
     x_ND = x.reshape(B * L, D)
     y_ND = torch.zeros(B * L, D, dtype=acc_dtype(x.dtype), device=x.device)
     qk_BSc = None
+    kept = []
     for step in plan.steps:
         recv_BSw = project_exchange(x_ND, w, step, plan, step.first, B, L)
         if step.first:
-            qk_BSc, vba_BSc = split_keys(recv_BSw, step, plan.rank, d, keep=not step.last)
+            last = step.last or keep  # (a kept step's inputs hold q | k anyway)
+            qk_BSc, vba_BSc = split_keys(recv_BSw, step, plan.rank, d, keep=not last)
         else:
             vba_BSc = recv_BSw
-        del recv_BSw
         z_ND = x_ND @ gather_rows(w.z, step.values).t()
+        if keep:
+            kept += [recv_BSw, z_ND]
+        del recv_BSw
         sw = StageWeights.of(w, step, plan.rank)
         out_BLne = gated_output(qk_BSc, vba_BSc, z_ND, sw, step, plan, d, e)
         del vba_BSc, z_ND, sw
@@ -71,11 +81,12 @@ def _forward(x, w: DeltaNetWeights, plan):
         del out_BLne
         if step.last:
             qk_BSc = None
-    return y_ND.to(x.dtype).view(B, L, D)
+    return y_ND.to(x.dtype).view(B, L, D), kept
 
 
-def _backward(dy, x, w: DeltaNetWeights, plan):
-    """(dx, gradient of each weight in `DeltaNetWeights` order)."""
+def _backward(dy, x, w: DeltaNetWeights, plan, kept):
+    """(dx, gradient of each weight in `DeltaNetWeights` order); `kept`: the forward's kept
+    stage inputs, or empty (recomputed)."""
     B, L, D = x.shape
     H, G, d, e = w.heads
     acc = acc_dtype(x.dtype)
@@ -84,10 +95,15 @@ def _backward(dy, x, w: DeltaNetWeights, plan):
     grads = {name: torch.zeros(flat_shape(t), dtype=acc, device=t.device)
              for name, t in zip(_NAMES, w.tensors(), strict=True)}  # fmt: skip
     qk_BSc = dqk_BSc = None
-    for step in plan.steps:
-        recv_BSw = project_exchange(x_ND, w, step, plan, step.first, B, L)
+    for i, step in enumerate(plan.steps):
+        if kept:
+            recv_BSw, z_ND = kept[2 * i], kept[2 * i + 1]
+        else:
+            recv_BSw = project_exchange(x_ND, w, step, plan, step.first, B, L)
+            z_ND = x_ND @ gather_rows(w.z, step.values).t()
         if step.first:
-            qk_BSc, vba_BSc = split_keys(recv_BSw, step, plan.rank, d, keep=not step.last)
+            last = step.last or bool(kept)
+            qk_BSc, vba_BSc = split_keys(recv_BSw, step, plan.rank, d, keep=not last)
             qk_BSc = qk_BSc.detach().requires_grad_()
             dqk_BSc = torch.zeros(qk_BSc.shape, dtype=acc, device=x.device)
         else:
@@ -95,7 +111,7 @@ def _backward(dy, x, w: DeltaNetWeights, plan):
         del recv_BSw
         vba_BSc = vba_BSc.detach().requires_grad_()
         z_rows, out_rows = (gather_rows(t, step.values) for t in (w.z, w.out))
-        z_ND = (x_ND @ z_rows.t()).requires_grad_()
+        z_ND = z_ND.detach().requires_grad_()
         leaves = [
             t.detach().requires_grad_() for t in StageWeights.of(w, step, plan.rank).tensors()
         ]
@@ -155,19 +171,22 @@ def _send_back(x_ND, w, step, plan, dvba_BSc, dqk_BSc, grads, dx_ND):
 
 class _StagedDeltaNet(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, *tensors):
-        ctx.save_for_backward(x, *tensors)
-        ctx.plan = plan
-        return _forward(x, DeltaNetWeights.of(tensors), plan)
+    def forward(ctx, x, plan, keep, *tensors):
+        y, kept = _forward(x, DeltaNetWeights.of(tensors), plan, keep)
+        ctx.save_for_backward(x, *tensors, *kept)  # (through saved-tensor hooks: offload)
+        ctx.plan, ctx.n_weights = plan, len(tensors)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, *tensors = ctx.saved_tensors
-        dx, grads = _backward(dy.contiguous(), x, DeltaNetWeights.of(tensors), ctx.plan)
-        return dx, None, *grads
+        x, *rest = ctx.saved_tensors
+        tensors, kept = rest[: ctx.n_weights], rest[ctx.n_weights :]
+        dx, grads = _backward(dy.contiguous(), x, DeltaNetWeights.of(tensors), ctx.plan, kept)
+        return dx, None, None, *grads
 
 
-def staged_deltanet(x, w: DeltaNetWeights, plan):
+def staged_deltanet(x, w: DeltaNetWeights, plan, stage_inputs="recompute"):
     """UPipe's Gated DeltaNet (module doc) for a validated call of
-    `upipe.attention.deltanet.gated_deltanet`."""
-    return _StagedDeltaNet.apply(x, plan, *w.tensors())
+    `upipe.attention.deltanet.gated_deltanet`; `stage_inputs` "keep": save each stage's
+    exchanged inputs and z for backward instead of recomputing them."""
+    return _StagedDeltaNet.apply(x, plan, stage_inputs == "keep", *w.tensors())

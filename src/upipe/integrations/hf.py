@@ -305,6 +305,7 @@ def apply_context_parallel(
     strategy="upipe",
     heads_per_stage=None,
     linear_heads_per_stage=None,
+    linear_stage_inputs="recompute",
     backend=None,
     tiled_mlp=False,
     mlp_tile=1024,
@@ -328,7 +329,9 @@ def apply_context_parallel(
     as in `ContextParallelAttention`), "ulysses" (USP on a mesh) or "ring" (group only). A
     hybrid's Gated DeltaNet layers (`upipe.integrations.hf_deltanet`) are split by heads with
     the same strategy -- "upipe" in stages of `linear_heads_per_stage` value heads (default:
-    `heads_per_stage`), "ulysses" all at once; "ring" and meshes with a ring dim are refused.
+    `heads_per_stage`; `linear_stage_inputs` "keep": each stage's exchanged inputs kept for
+    backward instead of recomputed -- faster, more memory: docs/hybrid.md), "ulysses" all at
+    once; "ring" and meshes with a ring dim are refused.
     `backend`: the local attention kernel (`upipe.kernels.BACKENDS`; None: "auto", by device,
     dtype and head dim, as in `ContextParallelAttention`).
     Each rank then holds a contiguous block of the sequence (`shard_batch`), calls the model
@@ -384,7 +387,7 @@ def apply_context_parallel(
         if getattr(layer, "linear_attn", None) is not None:  # a hybrid's Gated DeltaNet
             layer.linear_attn = HFContextParallelDeltaNet(
                 layer.linear_attn, group=ulysses, strategy=strategy, heads_per_stage=linear[0],
-                state=state, keyword=linear[1],
+                state=state, keyword=linear[1], stage_inputs=linear_stage_inputs,
             )  # fmt: skip
             continue
         layer.self_attn = HFContextParallelAttention(

@@ -33,7 +33,13 @@ import inspect
 import torch.distributed as dist
 from torch import nn
 
-from upipe.attention.deltanet import DeltaNetWeights, all_heads, check_stages, gated_deltanet
+from upipe.attention.deltanet import (
+    STAGE_INPUTS,
+    DeltaNetWeights,
+    all_heads,
+    check_stages,
+    gated_deltanet,
+)
 from upipe.heads import kv_problem
 
 SPLIT_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -91,11 +97,15 @@ class HFContextParallelDeltaNet(nn.Module):
     """A Hugging Face Gated DeltaNet layer on this rank's tokens (module doc); called as the
     decoder layer calls `linear_attn`: `forward(hidden_states [B, L, D], ...)` -> `[B, L, D]`.
     `strategy`: "upipe" (`heads_per_stage` value heads per stage; `keyword`: its name in
-    error messages) or "ulysses"."""
+    error messages; `stage_inputs`: `upipe.attention.deltanet.STAGE_INPUTS`) or "ulysses"."""
 
     def __init__(self, hf_layer, *, group, strategy, heads_per_stage, state,
-                 keyword="heads_per_stage"):  # fmt: skip
+                 keyword="heads_per_stage", stage_inputs="recompute"):  # fmt: skip
         super().__init__()
+        if stage_inputs not in STAGE_INPUTS:
+            raise ValueError(
+                f"linear_stage_inputs must be one of {STAGE_INPUTS}, got {stage_inputs!r}"
+            )
         problem = deltanet_problem(hf_layer)
         if problem:
             raise ValueError(problem)
@@ -112,6 +122,7 @@ class HFContextParallelDeltaNet(nn.Module):
         U = all_heads(self.H, C) if strategy == "ulysses" else heads_per_stage
         check_stages(self.H, self.G, C, U, keyword)
         self.group, self.strategy, self.heads_per_stage = group, strategy, heads_per_stage
+        self.stage_inputs = stage_inputs
         self.scan_backend = None  # auto: fla on CUDA where installed, else "upipe"
         hf_module = importlib.import_module(type(hf_layer).__module__)
         self.reference = torch_scan(hf_module)
@@ -120,7 +131,7 @@ class HFContextParallelDeltaNet(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"strategy={self.strategy!r}, value_heads={self.H}, key_heads={self.G}, "
-            f"heads_per_stage={self.heads_per_stage}, "
+            f"heads_per_stage={self.heads_per_stage}, stage_inputs={self.stage_inputs!r}, "
             f"group_size={dist.get_world_size(self.group)}"
         )
 
@@ -160,4 +171,5 @@ class HFContextParallelDeltaNet(nn.Module):
             cu_seqlens=self._state["docs"],
             backend=self.scan_backend,
             eps=self.norm.variance_epsilon,
+            stage_inputs=self.stage_inputs,
         )
