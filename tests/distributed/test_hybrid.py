@@ -33,7 +33,13 @@ CASES = {
             ("upipe", None, False, {}),
             ("ulysses", None, True, {}),
             ("upipe", None, False, {"router": True}),  # the aux loss over the whole sequence
-            ("upipe", 4, True, {**FEATURES, "blocks_per_checkpoint": 2}),
+            # stage inputs kept for backward, under checkpointing (saved through its hooks)
+            (
+                "upipe",
+                4,
+                True,
+                {**FEATURES, "blocks_per_checkpoint": 2, "linear_stage_inputs": "keep"},
+            ),
             (
                 "ulysses",
                 None,
@@ -81,6 +87,7 @@ ERRORS = {
     "mesh_ring": "a mesh with a ring dim of 2 is not supported for hybrid models",
     "value_heads": "value heads (2) must be at least the context-parallel size (4)",
     "stages": "Gated DeltaNet (4 value heads, 2 key heads): heads_per_stage (3)",
+    "stage_inputs": "linear_stage_inputs must be one of ('recompute', 'keep'), got 'drop'",
     "key_heads": "key heads (3) must divide value heads (4); valid key heads: [1, 2, 4]",
     "activation": "with activation 'gelu' is not supported",
     "vision": "convert its text model, Qwen3_5ForCausalLM",

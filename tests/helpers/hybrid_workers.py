@@ -165,6 +165,8 @@ def _error_case(name, group, apply_context_parallel, shard_batch):
         apply_context_parallel(model, group=group)
     elif name == "stages":  # a stage of 3 value heads does not fit 4 heads over the ranks
         apply_context_parallel(build_model("qwen3_next"), group=group, heads_per_stage=3)
+    elif name == "stage_inputs":  # not a mode of the stages
+        apply_context_parallel(build_model("qwen3_next"), group=group, linear_stage_inputs="drop")
     elif name == "key_heads":  # 3 key heads cannot be shared by 4 value heads
         model = build_model("qwen3_5", linear_num_key_heads=3, linear_num_value_heads=4)
         apply_context_parallel(model, group=group)
