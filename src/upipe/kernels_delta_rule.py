@@ -26,7 +26,8 @@ in the same order, in fp32, or fp64 for fp64 inputs), split in two:
 
 Why not autograd through transformers' function: its loop writes each chunk's output into
 a slice of one tensor, and autograd copies that whole tensor's gradient once per chunk in
-backward (CopySlices: O(n S) bytes); its backward also needs its forward's graph, so a
+backward (torch's CopySlices node, torch/csrc/autograd/functions/tensor.h: "grad[idx] =
+fn(grad[idx]), but out-of-place"; O(n S) bytes); its backward also needs its forward's graph, so a
 layer that recomputes its forward for backward (UPipe's stages) runs the scan's forward
 twice. Here the forward saves only its inputs, as fla's kernel does
 (`fla/ops/gated_delta_rule/chunk.py`); the backward recomputes the chunk-local part with a

@@ -27,6 +27,15 @@ Backends of the scan (`SCAN_BACKENDS`):
 - "torch": the model's own torch implementation (transformers'
   `torch_chunk_gated_delta_rule`, passed in as `reference`: upipe does not import
   transformers), called once per document, differentiated by autograd.
+- "fla": flash-linear-attention's Triton kernel `fla.ops.gated_delta_rule.chunk_gated_delta_rule`
+  (CUDA), one call for all documents. Its contract, read from fla/ops/gated_delta_rule/chunk.py
+  (fla-org/flash-linear-attention, commit 92396f2): q, k, v `[B, T, h, d|e]` with the same
+  head count h; g, beta `[B, T, h]`; scale None means d ** -0.5; `use_qk_l2norm_in_kernel`;
+  `cu_seqlens` (int64, on the device, `[N + 1]`) only with B = 1 -- so the rows are
+  flattened into one sequence of B * S tokens whose documents are every row's; returns
+  (o `[B, T, h, e]` in q's dtype, final state). q and k are repeated to the value heads
+  first (as fla's own GatedDeltaNet layer does). tests/distributed/test_deltanet.py runs this
+  path on the CPU against a stand-in with that contract.
 "auto" (None): "fla" for CUDA inputs when the package is installed, else "upipe".
 
 The convolution is torch's depthwise `conv1d` (as transformers' `causal_conv1d_fn` fallback),

@@ -20,10 +20,10 @@
   allocated once before the loop.
 
 - Chunk recurrences (`chunk_steps`, `upipe.kernels_delta_rule`): the loop across the
-  chunks of upipe's own delta rule, forward and backward, writes each chunk's output, state
-  and gradients into slices of tensors allocated once before the loop; an iteration's
-  temporaries (the corrected values, the next state, their gradients) have the same shapes
-  in every iteration and are freed by the next.
+  chunks of upipe's own delta rule, forward and backward, writes each chunk's state and
+  corrected values (forward) or their gradients (backward) into slices of tensors allocated
+  once before the loop and updates one carried state in place: an iteration allocates
+  nothing.
 
 All always run every iteration: what the compute code computes depends on its arguments
 alone. The planner's simulator, where nothing is computed, relies on the repetition to run

@@ -17,13 +17,13 @@ stages. Forward, per stage s (no graph):
 the round's q | k channels (this rank's key heads, before the convolution) kept until its
 last stage. Saved for backward: x and the weights only -- or, with `stage_inputs="keep"`,
 also each stage's received inputs and its z (what the backward would recompute first).
-Backward, per stage: the same projection and exchange without a graph (or the kept
-ones); then, with one, from leaves at the exchanged
-inputs, the stage's convolutions, gates, scan, exchange back, gated norm and output rows
-are recomputed and differentiated against dy (`torch.autograd.grad`): that gives dx
-(through z), the stage's parameter gradients (added into fp32 accumulators) and the
-gradients of its exchanged inputs, which go back in one all-to-all (on the round's last
-stage with the round's summed dq | dk), then dW_s = d^T x and dx += d W_s.
+Backward, per stage: the same projection and exchange without a graph (or the kept ones);
+then, with one, from leaves at the exchanged inputs, the stage's convolutions, gates, scan,
+exchange back, gated norm and output rows are recomputed and differentiated against dy
+(`torch.autograd.grad`): that gives dx (through z), the stage's parameter gradients (added
+into fp32 accumulators) and the gradients of its exchanged inputs, which go back in one
+all-to-all (on the round's last stage with the round's summed dq | dk), then dW_s = d^T x
+and dx += d W_s.
 
 Memory (per rank, excluding parameters): x, y, dy, dx (fp32), plus one stage -- its packed
 projection in both layouts and the scan's buffers for u value heads (docs/hybrid.md has
