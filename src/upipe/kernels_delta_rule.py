@@ -24,17 +24,19 @@ in the same order, in fp32, or fp64 for fp64 inputs), split in two:
       dv' = P^T do + K' dX_next      dP = do v'^T      dQ' = do X^T      dK' = v' dX_next^T
       dlam = <X, dX_next>    du = dv'    dw = -dv' X^T    dX = Q'^T do + lam dX_next - w^T dv'
 
-Why not autograd through transformers' function: its loop writes each chunk's output into
-a slice of one tensor, and autograd copies that whole tensor's gradient once per chunk in
+Why not autograd through transformers' function: its loop writes each chunk's output into a
+slice of one tensor, and autograd copies that whole tensor's gradient once per chunk in
 backward (torch's CopySlices node, torch/csrc/autograd/functions/tensor.h: "grad[idx] =
-fn(grad[idx]), but out-of-place"; O(n S) bytes); its backward also needs its forward's graph, so a
-layer that recomputes its forward for backward (UPipe's stages) runs the scan's forward
-twice. Here the forward saves only its inputs, as fla's kernel does
+fn(grad[idx]), but out-of-place"; O(n S) bytes); its backward also needs its forward's
+graph, so a layer that recomputes its forward for backward (UPipe's stages) runs the scan's
+forward twice. Here the forward saves only its inputs, as fla's kernel does
 (`fla/ops/gated_delta_rule/chunk.py`); the backward recomputes the chunk-local part with a
 graph and the chunk states X_c (`[n, d, e]` per head), runs the loop above, and
 differentiates the local part against its result (`torch.autograd.grad`). A forward called
 with `for_backward=True` -- a recomputation right before its backward -- builds that graph
-and keeps the states at once, so its backward recomputes nothing.
+and keeps the states at once, so its backward recomputes nothing. On CUDA (without fla) the
+loops launch four (forward) and five (backward) small kernels a chunk and no host
+synchronisation: launch-bound at long sequences, where fla's kernel is the fast path.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def _chunk_last(t_nb, shape):
 def _recurrence_backward(local, states, v_new, do):
     """The gradient of the loop's inputs (u, w, P, Q', K', lam) for the output gradient
     `do` `[B, h, n, T, e]` (module doc; the final state has none): the carried dX in a
-    loop of four in-place operations a chunk, the rest batched over the chunks."""
+    loop of five in-place operations a chunk, the rest batched over the chunks."""
     u, w, P, q_dec, k_dec, lam = local
     shape = u.shape
     X, v_new = _chunk_last(states, shape), _chunk_last(v_new, shape)
