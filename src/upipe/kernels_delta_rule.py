@@ -24,6 +24,17 @@ in the same order, in fp32, or fp64 for fp64 inputs), split in two:
       dv' = P^T do + K' dX_next      dP = do v'^T      dQ' = do X^T      dK' = v' dX_next^T
       dlam = <X, dX_next>    du = dv'    dw = -dv' X^T    dX = Q'^T do + lam dX_next - w^T dv'
 
+Blocks: a sequence longer than `block` tokens (`BLOCK`, 16,384) runs one block at a time,
+the state carried across: forward computes a block's local part, its loop and its output,
+then frees them; backward first runs the loop block by block for every chunk's state
+(without a graph; a `for_backward` forward kept them), then walks the blocks backwards,
+each recomputing its local part with a graph, running the loop's gradient with the carried
+dX and writing its slice of the input gradients. The local part -- most of the bytes -- then
+exists for one block, not the sequence (tests/unit/test_delta_rule.py measures the peak at
+S = 2,048 and blocks of 256 tokens at a quarter of one block's); the states, the input
+gradients and one block's buffers remain, for one more computation of the local part in
+backward.
+
 Why not autograd through transformers' function: its loop writes each chunk's output into a
 slice of one tensor, and autograd copies that whole tensor's gradient once per chunk in
 backward (torch's CopySlices node, torch/csrc/autograd/functions/tensor.h: "grad[idx] =
@@ -93,21 +104,29 @@ def _local(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh):
     return u, w, P, q_dec, k_dec, lam
 
 
-def _recurrence(local):
-    """The loop across chunks (module doc), no graph: (X_c, v'_c) of every chunk, `[n, b,
-    d, e]` and `[n, b, T, e]` with b = B h (chunk-major: each iteration writes contiguous
-    blocks). Four in-place operations a chunk; everything else is batched over the chunks."""
+def _recurrence(local, X=None, states=None):
+    """The loop across chunks (module doc), no graph, from the state X `[b, d, e]` (b = B h;
+    None: zeros; updated in place): (X_c, v'_c) of every chunk, `[n, b, d, e]` (written
+    into `states` where given) and `[n, b, T, e]` (chunk-major: each iteration writes
+    contiguous blocks), and the final state.
+    Four in-place operations a chunk; everything else is batched over the chunks."""
     u, w, _, _, k_dec, lam = (t.flatten(0, 1) for t in local)  # [b, n, ...]
     b, n, _, e = u.shape
     k_dec_t, lam = k_dec.transpose(-1, -2), lam[..., None, None]
-    states = u.new_empty(n, b, w.shape[-1], e)
+    states = u.new_empty(n, b, w.shape[-1], e) if states is None else states
     v_new = u.new_empty(n, b, *u.shape[2:])
-    X = u.new_zeros(b, w.shape[-1], e)
+    X = u.new_zeros(b, w.shape[-1], e) if X is None else X
     for c in loops.chunk_steps(n):
         states[c].copy_(X)
         torch.baddbmm(u[:, c], w[:, c], X, alpha=-1, out=v_new[c])  # v' = u - w X
         X.mul_(lam[:, c]).baddbmm_(k_dec_t[:, c], v_new[c])  # X = lam X + K'^T v'
-    return states, v_new
+    return states, v_new, X
+
+
+def _corrected_values(local, states):
+    """v' = u - w X of every chunk from the chunks' states (batched), chunk-major."""
+    u, w = (t.flatten(0, 1) for t in local[:2])  # [b, n, T, .]
+    return (u - w @ states.transpose(0, 1)).transpose(0, 1)
 
 
 def _output(local, states, v_new):
@@ -123,10 +142,11 @@ def _chunk_last(t_nb, shape):
     return t_nb.transpose(0, 1).unflatten(0, shape[:2])
 
 
-def _recurrence_backward(local, states, v_new, do):
-    """The gradient of the loop's inputs (u, w, P, Q', K', lam) for the output gradient
-    `do` `[B, h, n, T, e]` (module doc; the final state has none): the carried dX in a
-    loop of five in-place operations a chunk, the rest batched over the chunks."""
+def _recurrence_backward(local, states, v_new, do, dX=None):
+    """(the gradient of the loop's inputs (u, w, P, Q', K', lam), that of its initial state)
+    for the output gradient `do` `[B, h, n, T, e]` and the final state's dX `[b, d, e]`
+    (None: zeros; updated in place) (module doc): the carried dX in a loop of five in-place
+    operations a chunk, the rest batched over the chunks."""
     u, w, P, q_dec, k_dec, lam = local
     shape = u.shape
     X, v_new = _chunk_last(states, shape), _chunk_last(v_new, shape)
@@ -137,7 +157,7 @@ def _recurrence_backward(local, states, v_new, do):
     n, b = states.shape[:2]
     dv_new = u.new_empty(n, b, *shape[3:])
     dX_next = torch.empty_like(states)
-    dX = u.new_zeros(states.shape[1:])
+    dX = u.new_zeros(states.shape[1:]) if dX is None else dX
     for c in reversed(loops.chunk_steps(n)):
         dX_next[c].copy_(dX)
         torch.baddbmm(P_t_do[:, c], k_dec[:, c], dX, out=dv_new[c])  # P^T do + K' dX
@@ -149,7 +169,7 @@ def _recurrence_backward(local, states, v_new, do):
     dk_dec = v_new @ dX_next.transpose(-1, -2)
     dlam = (X * dX_next).sum(dim=(-2, -1))
     dw = -(dv_new @ X.transpose(-1, -2))
-    return dv_new, dw, dP, dq_dec, dk_dec, dlam
+    return (dv_new, dw, dP, dq_dec, dk_dec, dlam), dX
 
 
 def _unchunk(o_BhnTe, S, dtype):
@@ -172,48 +192,139 @@ def _local_graph(inputs, needs_grad):
         return leaves, _local(*leaves)
 
 
+def _grads(leaves, local, dlocal):
+    """The leaves' gradients (None where not needed) from the local part's."""
+    wanted = [t for t in leaves if t.requires_grad]
+    roots = [(t, dt) for t, dt in zip(local, dlocal, strict=True) if t.requires_grad]
+    outputs, grad_outputs = zip(*roots, strict=True)
+    grads = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True))
+    return [next(grads) if t.requires_grad else None for t in leaves]
+
+
+def _blocks(S, block):
+    """(first token, tokens, first chunk, chunks) of each block of `block` tokens."""
+    return [(a, min(block, S - a), a // T, -(-min(block, S - a) // T))
+            for a in loops.tile_starts(S, block)]  # fmt: skip
+
+
+def _cut(inputs, a, length):
+    """Tokens a .. a + length - 1 of each `[B, S, ...]` input."""
+    return [t.narrow(1, a, length) for t in inputs]
+
+
 class _DeltaRule(torch.autograd.Function):
+    """Forward and backward in blocks of `block` tokens (`delta_rule`): the chunk-local part
+    of one block exists at a time, the states carried across; with one block, a
+    `for_backward` forward keeps the local graph too."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, for_backward):
+    def forward(ctx, q, k, v, g, beta, for_backward, block):
         inputs = (q, k, v, g, beta)
-        if for_backward:
+        S = v.shape[1]
+        blocks = _blocks(S, block)
+        ctx.for_backward, ctx.block, ctx.local, ctx.states = for_backward, block, None, None
+        if for_backward and len(blocks) == 1:
             leaves, local = _local_graph(inputs, ctx.needs_input_grad)
             detached = [t.detach() for t in local]
-            ctx.leaves, ctx.local, ctx.loop = leaves, local, _recurrence(detached)
-            o = _output(detached, *ctx.loop)
-        else:
-            ctx.save_for_backward(*inputs)
+            ctx.leaves, ctx.local, ctx.loop = leaves, local, _recurrence(detached)[:2]
+            return _unchunk(_output(detached, *ctx.loop), S, v.dtype)
+        ctx.save_for_backward(*inputs)
+        if len(blocks) == 1 and not for_backward:
             local = _local(*inputs)
-            o = _output(local, *_recurrence(local))
-        ctx.for_backward = for_backward
-        return _unchunk(o, v.shape[1], v.dtype)
+            return _unchunk(_output(local, *_recurrence(local)[:2]), S, v.dtype)
+        o = v.new_empty(v.shape)
+        states = _all_states(inputs) if for_backward else None  # (else a block's at a time)
+        X = None
+        for a, length, c0, n in blocks:
+            local = _local(*_cut(inputs, a, length))
+            block_states = None if states is None else states[c0 : c0 + n]
+            block_states, v_new, X = _recurrence(local, X, block_states)
+            o.narrow(1, a, length).copy_(
+                _unchunk(_output(local, block_states, v_new), length, v.dtype)
+            )
+            del local, block_states, v_new
+        ctx.states = states
+        return o
 
     @staticmethod
     def backward(ctx, do):
-        if not ctx.for_backward:
-            leaves, local = _local_graph(ctx.saved_tensors, ctx.needs_input_grad)
-            loop = _recurrence([t.detach() for t in local])
-        elif ctx.local is None:
+        if ctx.for_backward and ctx.local is not None:  # one block, kept (forward)
+            leaves, local, loop = ctx.leaves, ctx.local, ctx.loop
+            ctx.leaves = ctx.local = ctx.loop = None  # (freed once the gradients are computed)
+            dlocal, _ = _recurrence_backward(
+                [t.detach() for t in local], *loop, _chunk_do(do, local)
+            )
+            del loop
+            return (*_grads(leaves, local, dlocal), None, None)
+        if ctx.for_backward and ctx.states is None:
             raise RuntimeError(
                 "delta_rule(for_backward=True) runs its backward once (its graph is freed)"
             )
-        else:  # (dropped from ctx: freed as soon as the gradients are computed)
-            leaves, local, loop = ctx.leaves, ctx.local, ctx.loop
-            ctx.leaves = ctx.local = ctx.loop = None
-        do_chunked = _chunked(do, local[0].shape[2], local[0].dtype)
-        dlocal = _recurrence_backward([t.detach() for t in local], *loop, do_chunked)
-        del loop, do_chunked
-        wanted = [t for t in leaves if t.requires_grad]
-        roots = [(t, dt) for t, dt in zip(local, dlocal, strict=True) if t.requires_grad]
-        outputs, grad_outputs = zip(*roots, strict=True)
-        grads = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True))
-        return (*(next(grads) if t.requires_grad else None for t in leaves), None)
+        inputs = ctx.saved_tensors
+        blocks = _blocks(do.shape[1], ctx.block)
+        if len(blocks) == 1:  # the local graph gives the states as well
+            leaves, local = _local_graph(inputs, ctx.needs_input_grad)
+            detached = [t.detach() for t in local]
+            loop = _recurrence(detached)[:2]
+            dlocal, _ = _recurrence_backward(detached, *loop, _chunk_do(do, local))
+            del loop
+            return (*_grads(leaves, local, dlocal), None, None)
+        states, ctx.states = ctx.states, None
+        if states is None:  # the chunk states, block by block (no graph)
+            states, X = _all_states(inputs), None
+            for a, length, c0, n in blocks:
+                local = _local(*_cut(inputs, a, length))
+                X = _recurrence(local, X, states[c0 : c0 + n])[2]
+                del local
+            del X
+        needs = ctx.needs_input_grad[:5]
+        grads = [
+            torch.zeros_like(t) if need else None for t, need in zip(inputs, needs, strict=True)
+        ]
+        dX = None
+        for a, length, c0, n in reversed(blocks):
+            leaves, local = _local_graph(_cut(inputs, a, length), needs)
+            detached = [t.detach() for t in local]
+            block_states = states[c0 : c0 + n]
+            v_new = _corrected_values(detached, block_states)
+            do_block = _chunk_do(do.narrow(1, a, length), local)
+            dlocal, dX = _recurrence_backward(detached, block_states, v_new, do_block, dX)
+            del v_new, do_block, detached
+            for grad, part in zip(grads, _grads(leaves, local, dlocal), strict=True):
+                if grad is not None:
+                    grad.narrow(1, a, length).copy_(part)
+            del leaves, local, dlocal
+        return (*grads, None, None)
 
 
-def delta_rule(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh, *, for_backward=False):
+def _all_states(inputs):
+    """An empty buffer for the state entering every chunk, `[n, B h, d, e]` (allocated
+    whole, so that its bytes do not depend on how many blocks run: `upipe.planner.sampled`
+    runs two)."""
+    q, v = inputs[0], inputs[2]
+    B, S, h, e = v.shape
+    shape = (-(-S // T), B * h, q.shape[-1], e)
+    return v.new_empty(shape, dtype=_compute_dtype(v.dtype))
+
+
+def _chunk_do(do, local):
+    """The output gradient chunked as the local part (`_chunked`)."""
+    return _chunked(do, local[0].shape[2], local[0].dtype)
+
+
+BLOCK = 16384
+"""tokens a block (`delta_rule`): beyond it the chunk-local part is computed a block at a time"""
+
+
+def delta_rule(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh, *, for_backward=False, block=BLOCK):
     """The chunked gated delta rule (module doc) from a zero state, q and k l2-normalised
     in the kernel: o `[B, S, h, e]` in v's dtype, differentiable w.r.t. every input.
     Arguments as transformers' `torch_chunk_gated_delta_rule` takes them (g fp32).
     `for_backward`: this call recomputes a forward whose backward follows at once (keep
-    the chunk states and the local graph: the backward recomputes nothing)."""
-    return _DeltaRule.apply(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh, for_backward)
+    the chunk states -- and, for a sequence of one block, the local graph -- so that the
+    backward does not recompute them). `block` (a multiple of 64): the tokens whose
+    chunk-local part exists at once; a longer sequence runs in blocks, its backward
+    recomputing the local part once more (for the states) unless `for_backward` kept them."""
+    if block <= 0 or block % T:
+        raise ValueError(f"block must be a positive multiple of {T} tokens, got {block}")
+    return _DeltaRule.apply(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh, for_backward, block)

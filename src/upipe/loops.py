@@ -2,7 +2,10 @@
 
 - Sequence tiles (`tile_starts`): each iteration of the tiled MLP's loops and of the chunked
   loss's (`upipe.model.features._TiledRecompute` forward and backward,
-  `upipe.loss._FusedChunkedCrossEntropy` forward), and of the fused UPipe op's row chunks
+  `upipe.loss._FusedChunkedCrossEntropy` forward), of the blocks of upipe's own delta rule
+  (`upipe.kernels_delta_rule`: forward, and the backward's pass for the states and its
+  reverse pass; the states and the input gradients allocated whole before them), and of
+  the fused UPipe op's row chunks
   (the output projection summed over the stages, `upipe.attention.fused._o_proj`, and dx
   summed over the stages' parts, `staged_layer.DxAccumulator.result`: an fp32 accumulator
   of one chunk's rows each) allocates and frees the same buffers -- one tile's -- writes

@@ -86,7 +86,7 @@ def test_cut_scan_has_the_full_scans_memory(B, S, G, H, d, e, dtype):
     assert _scan_memory(B, 2 * S, G, H, d, e, dtype, sampled=True)[1] == ops
 
 
-def _rule_memory(B, S, G, H, d, e, dtype, *, sampled, for_backward):
+def _rule_memory(B, S, G, H, d, e, dtype, *, sampled, for_backward, block):
     """`_scan_memory` for upipe's own scan (`upipe.kernels_delta_rule.delta_rule`)."""
     from upipe.kernels_delta_rule import delta_rule
 
@@ -98,7 +98,7 @@ def _rule_memory(B, S, G, H, d, e, dtype, *, sampled, for_backward):
         t.requires_grad_()
     shortcut = sampled_loops() if sampled else contextlib.nullcontext()
     with shortcut, MemoryTracker() as mem, _Ops() as ops:
-        o = delta_rule(q, k, v, g, beta, for_backward=for_backward)
+        o = delta_rule(q, k, v, g, beta, for_backward=for_backward, block=block)
         forward, kept = mem.peak_bytes, mem.current_bytes
         mem.peak_bytes = kept
         o.backward(torch.ones_like(o))
@@ -107,14 +107,20 @@ def _rule_memory(B, S, G, H, d, e, dtype, *, sampled, for_backward):
 
 @pytest.mark.parametrize("for_backward", [False, True])
 @pytest.mark.parametrize(
-    "B,S,G,H,d,e,dtype",
-    [(1, 640, 2, 4, 16, 16, torch.float32), (2, 600, 2, 2, 8, 16, torch.bfloat16)],
+    "B,S,G,H,d,e,dtype,block",
+    [
+        (1, 640, 2, 4, 16, 16, torch.float32, 16384),  # one block
+        (2, 600, 2, 2, 8, 16, torch.bfloat16, 16384),
+        (1, 640, 2, 4, 16, 16, torch.float32, 128),  # 5 blocks
+        (2, 600, 2, 2, 8, 16, torch.bfloat16, 256),  # 3 blocks, the last partial
+    ],
 )
-def test_cut_recurrence_has_the_full_loops_memory(B, S, G, H, d, e, dtype, for_backward):
-    """upipe's own scan with its chunk loops cut to 2 chunks (`upipe.planner.sampled`) holds
-    the same bytes as with all 10 at its forward peak, after forward, at its backward peak
-    and after backward, byte for byte, and runs as many operators at twice the length."""
-    kw = dict(for_backward=for_backward)
+def test_cut_recurrence_has_the_full_loops_memory(B, S, G, H, d, e, dtype, block, for_backward):
+    """upipe's own scan with its chunk loops cut to 2 chunks and its blocks to 2 blocks
+    (`upipe.planner.sampled`) holds the same bytes as with all 10 chunks (and every block)
+    at its forward peak, after forward, at its backward peak and after backward, byte for
+    byte, and runs as many operators at twice the length."""
+    kw = dict(for_backward=for_backward, block=block)
     full, full_ops = _rule_memory(B, S, G, H, d, e, dtype, sampled=False, **kw)
     cut, ops = _rule_memory(B, S, G, H, d, e, dtype, sampled=True, **kw)
     assert cut == full

@@ -30,7 +30,9 @@ the full loop's, byte for byte.
 A chunk recurrence (`loops.chunk_steps`: upipe's own delta rule, `upipe.kernels_delta_rule`,
 the Gated DeltaNet layer's default scan off fla) runs its first `RECURRENCE_CHUNKS` chunks,
 forward and backward: an iteration writes into slices of buffers allocated before the loop
-and allocates nothing, so the loop's bytes are those of its first chunk.
+and allocates nothing, so the loop's bytes are those of its first chunk. Its blocks (a
+sequence longer than `upipe.kernels_delta_rule.BLOCK` tokens) are sequence tiles, cut as the
+other tile loops are.
 `tests/distributed/test_plan_hybrid.py` compares them with the full loop's, byte for byte.
 
 Why the simulator substitutes the loops rather than the loops having a mode: the shortcut
