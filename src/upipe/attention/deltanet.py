@@ -109,7 +109,8 @@ def gated_deltanet(
     or "upipe" (`heads_per_stage` U value heads at a time, recomputed in backward:
     `upipe.attention.deltanet_staged`). `reference`: the model's torch implementation of
     the chunked rule (transformers' `torch_chunk_gated_delta_rule`), for `backend` "torch"
-    (`upipe.kernels_deltanet`; None: "fla" on CUDA where installed). `cu_seqlens`: document
+    (`upipe.kernels_deltanet.SCAN_BACKENDS`; None: "fla" on CUDA where installed, else
+    "upipe", upipe's own). `cu_seqlens`: document
     boundaries `[0, e_1, ..., S]` of the full sequence (the state and the convolution
     restart at each). `eps`: the gated norm's. `stage_inputs` (UPipe): "recompute" (only x
     and the weights kept for backward) or "keep" (each stage's exchanged inputs and z kept
