@@ -46,12 +46,17 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _scan_memory(B, S, G, H, d, e, dtype, *, sampled):
-    """(forward peak, kept after forward, backward peak, left after backward) in bytes of
-    transformers' torch scan through `loops.chunk_scan`, with the planner's shortcut or not;
-    and the operators run."""
+def _torch_scan_call(q, k, v, g, beta):
+    """transformers' torch scan through `loops.chunk_scan` (the planner cuts it there): o."""
     from upipe import loops
 
+    return loops.chunk_scan(_torch_scan(), q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def _scan_memory(B, S, G, H, d, e, dtype, *, sampled, scan=_torch_scan_call):
+    """(forward peak, kept after forward, backward peak, left after backward) in bytes of
+    `scan(q, k, v, g, beta)` -> o (default: transformers' torch scan), with the planner's
+    shortcut or not; and the operators run."""
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(B, S, G, d, generator=gen, dtype=dtype) for _ in "qk")
     v = torch.randn(B, S, H, e, generator=gen, dtype=dtype)
@@ -60,10 +65,10 @@ def _scan_memory(B, S, G, H, d, e, dtype, *, sampled):
         t.requires_grad_()
     shortcut = sampled_loops() if sampled else contextlib.nullcontext()
     with shortcut, MemoryTracker() as mem, _Ops() as ops:
-        o = loops.chunk_scan(_torch_scan(), q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        o = scan(q, k, v, g, beta)
         forward, kept = mem.peak_bytes, mem.current_bytes
         mem.peak_bytes = kept
-        o[0].backward(torch.ones_like(o[0]))
+        o.backward(torch.ones_like(o))
         return (forward, kept, mem.peak_bytes, mem.current_bytes), ops.count
 
 
@@ -90,19 +95,10 @@ def _rule_memory(B, S, G, H, d, e, dtype, *, sampled, for_backward, block):
     """`_scan_memory` for upipe's own scan (`upipe.kernels_delta_rule.delta_rule`)."""
     from upipe.kernels_delta_rule import delta_rule
 
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(B, S, G, d, generator=gen, dtype=dtype) for _ in "qk")
-    v = torch.randn(B, S, H, e, generator=gen, dtype=dtype)
-    g, beta = -torch.rand(B, S, H, generator=gen), torch.rand(B, S, H, generator=gen).to(dtype)
-    for t in (q, k, v, g, beta):
-        t.requires_grad_()
-    shortcut = sampled_loops() if sampled else contextlib.nullcontext()
-    with shortcut, MemoryTracker() as mem, _Ops() as ops:
-        o = delta_rule(q, k, v, g, beta, for_backward=for_backward, block=block)
-        forward, kept = mem.peak_bytes, mem.current_bytes
-        mem.peak_bytes = kept
-        o.backward(torch.ones_like(o))
-        return (forward, kept, mem.peak_bytes, mem.current_bytes), ops.count
+    def scan(*inputs):
+        return delta_rule(*inputs, for_backward=for_backward, block=block)
+
+    return _scan_memory(B, S, G, H, d, e, dtype, sampled=sampled, scan=scan)
 
 
 @pytest.mark.parametrize("for_backward", [False, True])
