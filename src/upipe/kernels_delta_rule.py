@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from upipe import loops
+from upipe.kernels import acc_dtype
 
 T = 64
 """tokens per chunk (transformers' and fla's)"""
@@ -66,15 +67,11 @@ def _l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _local(q_BSgd, k_BSgd, v_BShe, g_BSh, beta_BSh):
     """The chunk-local part (module doc) of padded, chunked fp32 copies: u, w, P, Q', K'
     `[B, h, n, T, .]` and lam `[B, h, n]`."""
     h, g = v_BShe.shape[2], q_BSgd.shape[2]
-    dtype = _compute_dtype(v_BShe.dtype)
+    dtype = acc_dtype(v_BShe.dtype)
     if h != g:
         q_BSgd, k_BSgd = (t.repeat_interleave(h // g, dim=2) for t in (q_BSgd, k_BSgd))
     q, k, v, beta, decay = (
@@ -248,27 +245,24 @@ class _DeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        if ctx.for_backward and ctx.local is not None:  # one block, kept (forward)
+        blocks = _blocks(do.shape[1], ctx.block)
+        if ctx.local is not None:  # one block, kept by a for_backward forward
             leaves, local, loop = ctx.leaves, ctx.local, ctx.loop
             ctx.leaves = ctx.local = ctx.loop = None  # (freed once the gradients are computed)
+        elif ctx.for_backward and ctx.states is None:
+            raise RuntimeError(
+                "delta_rule(for_backward=True) runs its backward once (its graph is freed)"
+            )
+        elif len(blocks) == 1:  # the local graph gives the states as well
+            leaves, local = _local_graph(ctx.saved_tensors, ctx.needs_input_grad)
+            loop = _recurrence([t.detach() for t in local])[:2]
+        if len(blocks) == 1:
             dlocal, _ = _recurrence_backward(
                 [t.detach() for t in local], *loop, _chunk_do(do, local)
             )
             del loop
             return (*_grads(leaves, local, dlocal), None, None)
-        if ctx.for_backward and ctx.states is None:
-            raise RuntimeError(
-                "delta_rule(for_backward=True) runs its backward once (its graph is freed)"
-            )
         inputs = ctx.saved_tensors
-        blocks = _blocks(do.shape[1], ctx.block)
-        if len(blocks) == 1:  # the local graph gives the states as well
-            leaves, local = _local_graph(inputs, ctx.needs_input_grad)
-            detached = [t.detach() for t in local]
-            loop = _recurrence(detached)[:2]
-            dlocal, _ = _recurrence_backward(detached, *loop, _chunk_do(do, local))
-            del loop
-            return (*_grads(leaves, local, dlocal), None, None)
         states, ctx.states = ctx.states, None
         if states is None:  # the chunk states, block by block (no graph)
             states, X = _all_states(inputs), None
@@ -304,7 +298,7 @@ def _all_states(inputs):
     q, v = inputs[0], inputs[2]
     B, S, h, e = v.shape
     shape = (-(-S // T), B * h, q.shape[-1], e)
-    return v.new_empty(shape, dtype=_compute_dtype(v.dtype))
+    return v.new_empty(shape, dtype=acc_dtype(v.dtype))
 
 
 def _chunk_do(do, local):
