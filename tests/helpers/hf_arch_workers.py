@@ -5,20 +5,31 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from hf_workers import BASE_CONFIG, BATCH, PACKED_BOUNDS, SEQ, build_model, make_batch, model_in
+from hf_workers import (
+    BASE_CONFIG,
+    BATCH,
+    PACKED_BOUNDS,
+    SEQ,
+    build_model,
+    make_batch,
+    model_in,
+    summing_router_grads,
+)
 
 # the aux loss weighed heavily, so that a wrong aux gradient shows in every router's gradient
 AUX = dict(router_aux_loss_coef=0.5)
 
 
-def router_reference(arch, dtype=torch.float32):
+def router_reference(arch, dtype=torch.float32, router_sums=None):
     """The unmodified MoE model on one process with output_router_logits=True: its loss (the
     token mean plus coef * aux), its aux loss, the parameter gradients, the state dict
-    (float64: the same weights, computed in float64)."""
+    (float64: the same weights, computed in float64); `router_sums`:
+    `hf_workers.summing_router_grads`."""
     model = model_in(arch, dtype, **AUX)
     ids = make_batch()
-    out = model(input_ids=ids, labels=ids, output_router_logits=True)
-    out.loss.backward()
+    with summing_router_grads(model, router_sums):
+        out = model(input_ids=ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out.loss.detach(), out.aux_loss.detach(), grads, model.state_dict()
 

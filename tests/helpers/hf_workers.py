@@ -3,6 +3,7 @@ them)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -166,13 +167,41 @@ def model_in(arch, dtype, **config):
     return build_model(arch, experts_implementation="eager", **config).to(dtype)
 
 
-def reference(arch, dtype=torch.float32):
+@contextlib.contextmanager
+def summing_router_grads(model, sums: dict | None):
+    """While open, adds to `sums[name of a router's bias]` the sum over tokens of |dL/d logit|
+    per expert, sum_t |g_t|, of each MoE router with a bias (gpt-oss: its bias gradient is
+    sum_t g_t): the scale its fp32 rounding is relative to (`sums=None`: nothing recorded)."""
+    handles = []
+
+    def record(name):
+        def forward_hook(module, args, out):
+            def grad_hook(g_TE):
+                sums[name] = sums.get(name, 0) + g_TE.detach().abs().sum(0)
+
+            out[0].register_hook(grad_hook)  # the router's logits, [tokens, experts]
+
+        return forward_hook
+
+    if sums is not None:
+        for n, m in model.named_modules():
+            if n.endswith("mlp.router") and isinstance(getattr(m, "bias", None), torch.Tensor):
+                handles.append(m.register_forward_hook(record(f"{n}.bias")))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def reference(arch, dtype=torch.float32, router_sums=None):
     """The unmodified model on one process: logits, loss, parameter gradients, state dict
-    (float64: the same weights, computed in float64)."""
+    (float64: the same weights, computed in float64); `router_sums`: `summing_router_grads`."""
     model = model_in(arch, dtype)
     ids = make_batch()
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
+    with summing_router_grads(model, router_sums):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out.logits.detach(), out.loss.detach(), grads, model.state_dict()
 
@@ -261,25 +290,26 @@ def _error_case(name, group, apply_context_parallel, shard_batch):
 PACKED_BOUNDS = (0, 5, 6, 30, SEQ)
 
 
-def packed_reference(arch, bounds=PACKED_BOUNDS, dtype=torch.float32):
+def packed_reference(arch, bounds=PACKED_BOUNDS, dtype=torch.float32, router_sums=None):
     """The unmodified model on each document separately (one process): logits concatenated,
     the loss over every document's next tokens (a document's last token has none), gradients,
-    state dict."""
+    state dict; `router_sums`: `summing_router_grads`."""
     import torch.nn.functional as F
 
     model = model_in(arch, dtype)
     ids = make_batch()
     logits, loss_sum, count = [], 0.0, 0
-    for a, b in itertools.pairwise(bounds):
-        part = model(input_ids=ids[:, a:b]).logits
-        logits.append(part)
-        if b - a > 1:
-            loss_sum = loss_sum + F.cross_entropy(
-                part[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum"
-            )
-            count += ids.shape[0] * (b - a - 1)
-    loss = loss_sum / count
-    loss.backward()
+    with summing_router_grads(model, router_sums):
+        for a, b in itertools.pairwise(bounds):
+            part = model(input_ids=ids[:, a:b]).logits
+            logits.append(part)
+            if b - a > 1:
+                loss_sum = loss_sum + F.cross_entropy(
+                    part[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum"
+                )
+                count += ids.shape[0] * (b - a - 1)
+        loss = loss_sum / count
+        loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return torch.cat(logits, dim=1).detach(), loss.detach(), grads, model.state_dict()
 
