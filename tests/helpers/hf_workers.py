@@ -294,24 +294,30 @@ def packed_reference(arch, bounds=PACKED_BOUNDS, dtype=torch.float32, router_sum
     """The unmodified model on each document separately (one process): logits concatenated,
     the loss over every document's next tokens (a document's last token has none), gradients,
     state dict; `router_sums`: `summing_router_grads`."""
-    import torch.nn.functional as F
-
     model = model_in(arch, dtype)
-    ids = make_batch()
-    logits, loss_sum, count = [], 0.0, 0
     with summing_router_grads(model, router_sums):
-        for a, b in itertools.pairwise(bounds):
-            part = model(input_ids=ids[:, a:b]).logits
-            logits.append(part)
-            if b - a > 1:
-                loss_sum = loss_sum + F.cross_entropy(
-                    part[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum"
-                )
-                count += ids.shape[0] * (b - a - 1)
-        loss = loss_sum / count
+        logits, loss = each_document_alone(model, make_batch(), bounds)
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return torch.cat(logits, dim=1).detach(), loss.detach(), grads, model.state_dict()
+    return logits.detach(), loss.detach(), grads, model.state_dict()
+
+
+def each_document_alone(model, ids, bounds):
+    """(logits [B, S, V], loss) of `model` fed each document of `bounds` (the same for every
+    row) as a sequence of its own: the loss over every document's next tokens (a document's
+    last token has none)."""
+    import torch.nn.functional as F
+
+    logits, loss_sum, count = [], 0.0, 0
+    for a, b in itertools.pairwise(bounds):
+        part = model(input_ids=ids[:, a:b]).logits
+        logits.append(part)
+        if b - a > 1:
+            loss_sum = loss_sum + F.cross_entropy(
+                part[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum"
+            )
+            count += ids.shape[0] * (b - a - 1)
+    return torch.cat(logits, dim=1), loss_sum / count
 
 
 def run_packed(rank, world_size, arch, strategy, state, bounds=PACKED_BOUNDS):

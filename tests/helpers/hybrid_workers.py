@@ -1,14 +1,12 @@
-"""Per-rank functions for tests/distributed/test_hybrid.py: hybrid decoders (Gated DeltaNet layers
-and
-gated full attention: Qwen3-Next, Qwen3.5, Qwen3.5-MoE), tiny and random, converted."""
+"""Per-rank functions for tests/distributed/test_hybrid.py: hybrid decoders (Gated DeltaNet
+layers and gated full attention: Qwen3-Next, Qwen3.5, Qwen3.5-MoE), tiny and random,
+converted."""
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from hf_workers import each_document_alone
 
 from upipe.attention.common import forget_agreements
 
@@ -89,15 +87,7 @@ def reference(arch, packed=False, router=False):
         out = model(input_ids=ids, labels=ids, **({"output_router_logits": True} if router else {}))
         loss = out.loss
     else:
-        loss_sum, count = 0.0, 0
-        for a, b in itertools.pairwise(PACKED_BOUNDS):
-            logits = model(input_ids=ids[:, a:b]).logits
-            if b - a > 1:
-                loss_sum = loss_sum + F.cross_entropy(
-                    logits[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum"
-                )
-                count += ids.shape[0] * (b - a - 1)
-        loss = loss_sum / count
+        loss = each_document_alone(model, ids, PACKED_BOUNDS)[1]
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return loss.detach(), grads, model.state_dict()
