@@ -118,7 +118,8 @@ def _hf_llama(path, vocab_size, **extra):
 def test_hugging_face_weights_in_and_out(clusters, corpus, tokenizer_dir, tmp_path):
     """--init-from-hf: the first loss is transformers' loss of that model on the first batch;
     --save-hf: transformers loads the trained weights, bit for bit those of the same run
-    through the Trainer (and trained: not the initial ones)."""
+    through the Trainer (and trained: not the initial ones), and the tokenizer it was trained
+    with (the same ids; config.json keeps the source model's eos_token_id)."""
     import transformers
 
     src, out = tmp_path / "hf_in", tmp_path / "hf_out"
@@ -139,6 +140,34 @@ def test_hugging_face_weights_in_and_out(clusters, corpus, tokenizer_dir, tmp_pa
     for name, w in ref.items():
         assert torch.equal(saved[name], w), name
     assert rel_err(saved["lm_head.weight"], hf.state_dict()["lm_head.weight"]) > 1e-3
+
+    trained = PackedTokens(corpus, tokenizer=tokenizer_dir).tokenizer
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    text = " ".join(_texts(5, seed=1))
+    ids = loaded(text, add_special_tokens=False)["input_ids"]
+    assert ids == trained.encode(text.encode()).tolist()
+    assert loaded.eos_token_id == trained.eos_id
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == hf.config.eos_token_id
+
+
+@pytest.mark.slow
+def test_save_hf_from_scratch_names_the_training_eos(clusters, corpus, tokenizer_dir, tmp_path):
+    """--save-hf without --init-from-hf: config.json's eos_token_id is the id that ended every
+    training document (the tokenizer's EOS; with bytes, 256), and the byte tokenizer writes no
+    tokenizer files (there is none transformers could load)."""
+    for tokenizer, eos in (
+        (tokenizer_dir, PackedTokens(corpus, tokenizer=tokenizer_dir)),
+        (None, None),
+    ):
+        out = tmp_path / f"out_{tokenizer is None}"
+        cfg = small_config(
+            strategy="upipe", data=corpus, tokenizer=tokenizer, save_hf=str(out), steps=1
+        )
+        clusters(2).run(_train, cfg)
+        config = json.loads((out / "config.json").read_text())
+        expected = 256 if eos is None else eos.tokenizer.eos_id
+        assert config["eos_token_id"] == expected, config
+        assert (out / "tokenizer.json").exists() == (tokenizer is not None)
 
 
 def test_llama31_rope_scaling_from_hugging_face(clusters, corpus, tokenizer_dir, tmp_path):

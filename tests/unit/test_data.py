@@ -283,3 +283,43 @@ def test_hf_tokenizer_agrees_with_transformers(hf_tokenizer_dir):
         if "<|endoftext|>" in text:
             continue  # transformers would encode it as the EOS; upipe as text (see the module)
         assert tok.encode(text.encode()).tolist() == ref.encode(text, add_special_tokens=False)
+
+
+def test_copy_tokenizer_writes_what_autotokenizer_reads(tmp_path):
+    """`copy_tokenizer`: from a directory, tokenizer.json and the side files that exist; from a
+    tokenizer.json under another name, that file as tokenizer.json with its side files; onto
+    itself, nothing is copied (and nothing fails)."""
+    from upipe.train.tokenizers import copy_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.json").write_text('{"a": 1}')
+    (src / "tokenizer_config.json").write_text('{"eos_token": "<e>"}')
+    (src / "chat_template.jinja").write_text("{{ x }}")
+    (src / "vocab.txt").write_text("not copied")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert copy_tokenizer(src, out) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chat_template.jinja",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert (out / "tokenizer_config.json").read_text() == '{"eos_token": "<e>"}'
+
+    (src / "tokenizer.json").rename(src / "my.json")
+    other = tmp_path / "other"
+    other.mkdir()
+    assert copy_tokenizer(src / "my.json", other)[0] == "tokenizer.json"
+    assert (other / "tokenizer.json").read_text() == '{"a": 1}'
+
+    assert copy_tokenizer(out, out) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ]
+    assert (out / "tokenizer.json").read_text() == '{"a": 1}'

@@ -93,7 +93,8 @@ class TrainConfig:
     safetensors): its shapes replace --model's, its weights the seeded ones."""
     save_hf: str | None = None
     """At the end, save the trained weights here as a Hugging Face model directory
-    (config.json + model.safetensors, loadable by transformers)."""
+    (config.json + model.safetensors, loadable by transformers), with --tokenizer's files
+    (AutoTokenizer loads them; the byte tokenizer has none)."""
     dtype: str | None = dataclasses.field(default=None, metadata={"choices": tuple(DTYPES)})
     """Compute dtype: the weights forward and backward use, and the activations. Default:
     bfloat16 with --device cuda, float32 on CPU (`upipe plan` takes the same rule)."""

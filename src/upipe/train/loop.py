@@ -27,6 +27,7 @@ from upipe.loss import IGNORE_INDEX, count_valid, global_count, global_token_mea
 from upipe.memory import MemoryTracker
 from upipe.mesh import make_mesh
 from upipe.model import CausalLM, ModelConfig, load_hf_weights, save_hf_checkpoint
+from upipe.model.hf_checkpoint import read_hf_config
 from upipe.packing import document_positions
 from upipe.plot import Panel, Series, save_plot
 from upipe.train.checkpointing import CheckpointError, load_latest_checkpoint, save_checkpoint
@@ -42,6 +43,7 @@ from upipe.train.parallelize import (
     context_parallel,
     parallelize,
 )
+from upipe.train.tokenizers import copy_tokenizer
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -578,7 +580,7 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
         if cfg.checkpoint_dir and (last or every):
             trainer.save(step + 1)
     if cfg.save_hf:  # every rank (a sharded model is gathered); rank 0 writes
-        save_hf_checkpoint(trainer.master, cfg.save_hf, base_config=cfg.init_from_hf)
+        save_hf(trainer, cfg)
     if rank == 0:
         bar.close()
         if writer is not None:
@@ -588,6 +590,20 @@ def train(cfg: TrainConfig, device: torch.device | None = None) -> list[dict]:
                 history, cfg.plot, f"{cfg.model}, {cfg.strategy}, S={cfg.seq_len}, {world} ranks"
             )
     return history
+
+
+def save_hf(trainer: Trainer, cfg: TrainConfig) -> None:
+    """--save-hf: the trained masters as a Hugging Face model directory (a collective: every
+    rank gathers its shards, rank 0 writes) with the tokenizer it was trained with, so that
+    `AutoModelForCausalLM` and `AutoTokenizer` both load it: --tokenizer's files
+    (`copy_tokenizer`; the byte tokenizer has none), and config.json's `eos_token_id` the
+    id that ended every training document where --init-from-hf's config names none."""
+    base = read_hf_config(cfg.init_from_hf) if cfg.init_from_hf else {}
+    if base.get("eos_token_id") is None:
+        base["eos_token_id"] = trainer.data.tokenizer.eos_id
+    save_hf_checkpoint(trainer.master, cfg.save_hf, base_config=base)
+    if cfg.tokenizer is not None and dist.get_rank() == 0:
+        copy_tokenizer(cfg.tokenizer, cfg.save_hf)
 
 
 def have_tensorboard() -> bool:

@@ -13,6 +13,8 @@ document's end.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -126,6 +128,38 @@ def _configured_eos(directory: Path) -> str | None:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+# What a Hugging Face tokenizer directory holds beside tokenizer.json that transformers'
+# AutoTokenizer reads: the special tokens (the EOS upipe trained with among them), added
+# tokens, the chat template.
+TOKENIZER_SIDE_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def copy_tokenizer(spec: str | Path, directory: str | Path) -> list[str]:
+    """Copy the Hugging Face tokenizer of `--tokenizer` `spec` (tokenizer.json, or a directory
+    holding one) into the model directory `directory`, so that
+    `transformers.AutoTokenizer.from_pretrained(directory)` loads the tokenizer the model was
+    trained with: its tokenizer.json (as that name) and the `TOKENIZER_SIDE_FILES` next to
+    it. Returns the names written; a file that already is the destination is left alone."""
+    spec = Path(spec).expanduser()
+    file = spec / "tokenizer.json" if spec.is_dir() else spec
+    directory = Path(directory).expanduser()
+    pairs = [(file, "tokenizer.json")] + [(file.parent / n, n) for n in TOKENIZER_SIDE_FILES]
+    written = []
+    for src, name in pairs:
+        dst = directory / name
+        if not src.is_file():
+            continue
+        if not (dst.exists() and os.path.samefile(src, dst)):
+            shutil.copyfile(src, dst)
+        written.append(name)
+    return written
 
 
 def load_tokenizer(spec: str | Path | None) -> Tokenizer:
