@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from tolerances import grad_errors
-from train_workers import small_config, train_and_save, train_steps
+from train_workers import small_config, train_and_save, train_steps, weights_after
 
 from upipe.train.config import TrainConfig, padded_length
 from upipe.train.loop import plot_loss, warmup_cosine
@@ -131,6 +131,23 @@ def test_resume_with_schedule_accumulation_and_masters(clusters, tmp_path, kw):
 
 
 @pytest.mark.slow
+def test_weight_decay_is_adamw_s_on_the_matrices(clusters):
+    """--weight-decay: the masters after 3 steps (warmup, cosine, FSDP2's sharded masters)
+    are bit for bit those of torch's AdamW with the weights of two or more dimensions in a
+    group of that weight_decay and the norms in one without; and the decay moved them."""
+    cfg = small_config(strategy="upipe", fsdp=True, steps=3, warmup_steps=1, lr=1e-2)
+    decayed = dataclasses.replace(cfg, weight_decay=0.1)
+    ours = clusters(2).run(weights_after, decayed)[0]
+    ref = clusters(2).run(weights_after, cfg, 0.1)[0]
+    plain = clusters(2).run(weights_after, cfg)[0]
+    assert ours.keys() == ref.keys()
+    for name, w in ref.items():
+        assert torch.equal(ours[name], w), name
+        if w.ndim >= 2:
+            assert not torch.equal(w, plain[name]), name
+
+
+@pytest.mark.slow
 def test_resume_with_another_steps_keeps_or_replaces_the_schedule(clusters, tmp_path):
     """A run of 4 steps resumed with --steps 6 continues the checkpoint's cosine (its floor
     past step 4) and says so; --reschedule takes this run's 6-step cosine from step 4 on (the
@@ -235,6 +252,8 @@ def test_defaults_are_a_plain_fp32_run():
         ({"eval_every": 2, "eval_fraction": 0.0}, "--eval-every needs --eval-fraction in (0, 1)"),
         ({"warmup_steps": -1}, "--warmup-steps, --eval-every and --grad-clip must be >= 0"),
         ({"eval_batches": 0}, "--eval-batches must be >= 1, got 0"),
+        ({"weight_decay": -0.1}, "--weight-decay must be >= 0, got -0.1"),
+        ({"weight_decay": float("nan")}, "--weight-decay must be >= 0, got nan"),
         ({"dtype": "bfloat16", "master_dtype": "bfloat16"}, None),  # all bf16: allowed
         ({"strategy": "ring", "seq_len": 1001}, None),  # any length: padded to 1008
     ],

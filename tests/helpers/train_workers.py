@@ -65,6 +65,26 @@ def train_and_save(rank, world_size, cfg: TrainConfig):
     return [row["loss"] for row in train(cfg)]
 
 
+def weights_after(rank, world_size, cfg: TrainConfig, group_decay: float | None = None):
+    """The masters after cfg.steps steps (full tensors). `group_decay`: instead, torch's AdamW
+    with the weights of two or more dimensions in a group of that weight_decay and the rest
+    in one without (the reference for --weight-decay)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    trainer = Trainer(cfg, torch.device("cpu"))
+    if group_decay is not None:
+        params = list(trainer.master.parameters())
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": group_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        trainer.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+        trainer.scheduler = LambdaLR(trainer.optimizer, trainer.schedule)
+    for step in range(cfg.steps):
+        trainer.step(step)
+    return {n: _full(p).detach().clone() for n, p in trainer.master.named_parameters()}
+
+
 def build_memory(rank, world_size, cfg: TrainConfig):
     """(peak bytes while the Trainer is built, its parameters' full and local bytes)."""
     from upipe.memory import MemoryTracker

@@ -72,7 +72,7 @@ OPTION_GROUPS = {
     ),
     "optimization": (
         "steps", "lr", "warmup_steps", "min_lr_ratio", "grad_accum", "grad_clip",
-        "skip_nonfinite_steps", "router_aux_loss_coef",
+        "weight_decay", "skip_nonfinite_steps", "router_aux_loss_coef",
     ),
     "precision": ("dtype", "master_dtype"),
     "memory features": (

@@ -64,6 +64,10 @@ class TrainConfig:
     rank); the loss is the mean over every token of all of them, as for one big batch."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay: each update first scales every weight of two or more
+    dimensions (embeddings, projections, experts, convolutions) by 1 - lr x weight_decay;
+    norms, biases and other vectors are not decayed."""
     router_aux_loss_coef: float | None = None
     """Mixture-of-experts models: the weight of the router's load-balancing loss in the
     objective (loss + coef x balance loss, the balance over whole sequences; logged as
@@ -252,6 +256,8 @@ def validate(cfg: TrainConfig, world: int, model: ModelConfig | None = None) -> 
         return f"--timeout must be > 0 seconds, got {cfg.timeout}"
     if cfg.eval_every and not 0 < cfg.eval_fraction < 1:
         return f"--eval-every needs --eval-fraction in (0, 1), got {cfg.eval_fraction}"
+    if not cfg.weight_decay >= 0:  # (NaN too)
+        return f"--weight-decay must be >= 0, got {cfg.weight_decay}"
     if cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
         return f"--lr must be > 0 and --min-lr-ratio in [0, 1], got {cfg.lr}, {cfg.min_lr_ratio}"
     if DTYPES[cfg.master_dtype].itemsize < DTYPES[cfg.dtype].itemsize:

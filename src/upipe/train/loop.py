@@ -172,6 +172,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
+        self.decayed = (
+            [p for p in self.master.parameters() if p.ndim >= 2] if cfg.weight_decay else []
+        )
+        """The masters --weight-decay scales (`decay_weights`)."""
         self.schedule = LRSchedule(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self._positions = {}
@@ -276,9 +280,28 @@ class Trainer:
             return torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
+    @torch.no_grad()
+    def decay_weights(self) -> None:
+        """--weight-decay: p <- p (1 - lr x weight_decay) for the `decayed` masters, at this
+        step's lr -- what torch's AdamW does first to a parameter of a group with that
+        weight_decay, with the same factor: the same bits (tested against AdamW with two
+        groups). Why not AdamW's groups: the checkpoints record the optimizer's groups, and
+        DCP maps a checkpoint's groups onto the optimizer's by parameter name, copying lr and
+        weight_decay group by group (`_split_optim_state_dict`): a checkpoint of one group
+        (any run without decay, any earlier version) loaded into two would leave one without
+        an lr, and the scheduler's saved `base_lrs` would set one group's rate only. With
+        one group every checkpoint resumes under any --weight-decay (this run's applies)."""
+        if not self.decayed:
+            return
+        factor = 1 - self.optimizer.param_groups[0]["lr"] * self.cfg.weight_decay
+        for p in self.decayed:
+            if p.grad is not None:  # (AdamW leaves a parameter without gradient alone)
+                p.mul_(factor)
+
     def update(self) -> None:
-        """Step the optimizer and the learning rate, round the masters into the compute
-        copy."""
+        """Decay the weights (`decay_weights`), step the optimizer and the learning rate,
+        round the masters into the compute copy."""
+        self.decay_weights()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
