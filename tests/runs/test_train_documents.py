@@ -155,19 +155,15 @@ def test_save_hf_from_scratch_names_the_training_eos(clusters, corpus, tokenizer
     """--save-hf without --init-from-hf: config.json's eos_token_id is the id that ended every
     training document (the tokenizer's EOS; with bytes, 256), and the byte tokenizer writes no
     tokenizer files (there is none transformers could load)."""
-    for tokenizer, eos in (
-        (tokenizer_dir, PackedTokens(corpus, tokenizer=tokenizer_dir)),
-        (None, None),
-    ):
-        out = tmp_path / f"out_{tokenizer is None}"
+    trained_eos = PackedTokens(corpus, tokenizer=tokenizer_dir).tokenizer.eos_id
+    for tokenizer, eos in ((tokenizer_dir, trained_eos), ("bytes", 256)):
+        out = tmp_path / tokenizer.replace("/", "_")
         cfg = small_config(
             strategy="upipe", data=corpus, tokenizer=tokenizer, save_hf=str(out), steps=1
         )
         clusters(2).run(_train, cfg)
-        config = json.loads((out / "config.json").read_text())
-        expected = 256 if eos is None else eos.tokenizer.eos_id
-        assert config["eos_token_id"] == expected, config
-        assert (out / "tokenizer.json").exists() == (tokenizer is not None)
+        assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+        assert (out / "tokenizer.json").exists() == (tokenizer != "bytes")
 
 
 def test_llama31_rope_scaling_from_hugging_face(clusters, corpus, tokenizer_dir, tmp_path):

@@ -43,7 +43,7 @@ from upipe.train.parallelize import (
     context_parallel,
     parallelize,
 )
-from upipe.train.tokenizers import copy_tokenizer
+from upipe.train.tokenizers import HFTokenizer, copy_tokenizer
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -625,7 +625,7 @@ def save_hf(trainer: Trainer, cfg: TrainConfig) -> None:
     if base.get("eos_token_id") is None:
         base["eos_token_id"] = trainer.data.tokenizer.eos_id
     save_hf_checkpoint(trainer.master, cfg.save_hf, base_config=base)
-    if cfg.tokenizer is not None and dist.get_rank() == 0:
+    if isinstance(trainer.data.tokenizer, HFTokenizer) and dist.get_rank() == 0:
         copy_tokenizer(cfg.tokenizer, cfg.save_hf)
 
 
