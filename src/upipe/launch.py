@@ -27,7 +27,6 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -135,17 +134,12 @@ def _process_state(pid: int) -> str | None:
         return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world_size, port, timeouts, threads, parent_pid, tasks, results):
     """One rank. `timeouts` = (start, pg): how long the ranks may take to meet (their
     start-up, importing torch, can differ by seconds on a loaded machine: the store waits
-    that long), and the process group's timeout for every collective after that.
-    `results`: this rank's own pipe to the parent (`LocalCluster.start` says why its own)."""
+    that long), and the process group's timeout for every collective after that. `port`:
+    the parent's store (`LocalCluster.start`). `results`: this rank's own pipe to the
+    parent (`LocalCluster.start` says why its own)."""
     die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
@@ -156,8 +150,7 @@ def _worker(rank, world_size, port, timeouts, threads, parent_pid, tasks, result
         store = dist.TCPStore(
             "127.0.0.1",
             port,
-            world_size,
-            is_master=rank == 0,
+            is_master=False,
             timeout=datetime.timedelta(seconds=max(start_s, pg_timeout_s)),
         )
         dist.init_process_group(
@@ -257,8 +250,15 @@ class LocalCluster:
         self.close(wait_s=0.0 if kind is not None else 10.0)
 
     def start(self) -> None:
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # the ranks' store is served from here, bound at once to a port the OS picks: a port
+        # found free here and bound by rank 0 only once it had imported torch (seconds later
+        # on a loaded machine) could be taken meanwhile by another process's connection --
+        # EADDRINUSE in a fresh-clone run, 2026-12-07
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self._store.port
         # each rank reports through a pipe of its own, written by its main thread: through one
         # shared Queue, a rank stopped or killed while its feeder thread held the queue's
         # write lock (between the write of its last report and the lock's release) kept
@@ -322,6 +322,7 @@ class LocalCluster:
         for reader in getattr(self, "_results", []):
             reader.close()
         self._results = []
+        self._store = None  # (its server stops with the last reference)
 
     def _unanswered(self, rank: int, *, out_of_time: float | None) -> RankFailure:
         """What is seen of a rank that gave no answer (`out_of_time`: the call's limit ran
