@@ -4,6 +4,7 @@ stopped midway by a signal, and torchrun "nodes" on this machine. Every call has
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -112,9 +113,27 @@ def _session_processes(sid: int) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and below the kernel's ephemeral range, which torchrun's first agent
+    binds seconds later (once it has imported torch). A port from bind(0) lies in that range,
+    where the kernel also picks the local port of every outgoing connection (gloo opens many):
+    one could take it meanwhile (upipe.launch.LocalCluster hit EADDRINUSE that way,
+    2026-12-07). Below the range only an explicit bind can, and the port is drawn at random
+    from thousands."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; elsewhere the draw below is still a free port
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} in 200 draws")
 
 
 class Node:
