@@ -239,6 +239,7 @@ class LocalCluster:
         self.threads = threads
         self.env = env or {}
         self._procs: list = []
+        self._store = None  # the ranks' TCPStore, served from this process while they run
 
     def __enter__(self):
         self.start()

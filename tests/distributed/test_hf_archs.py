@@ -27,11 +27,13 @@ MEMORY = dict(
 )  # fmt: skip
 
 
-@functools.cache
-def _reference(arch, packed=False, dtype=torch.float32):
-    if packed:
-        return hf_workers.packed_reference(arch, dtype=dtype)
-    return hf_workers.reference(arch, dtype=dtype)
+def _unmodified(arch, packed=False, dtype=torch.float32, router_sums=None):
+    """`hf_workers.packed_reference` if `packed`, else `hf_workers.reference`."""
+    run = hf_workers.packed_reference if packed else hf_workers.reference
+    return run(arch, dtype=dtype, router_sums=router_sums)
+
+
+_reference = functools.cache(_unmodified)
 
 
 def _grad_errors(grads_by_rank: list, truth: dict, router_sums: dict) -> dict:
@@ -49,11 +51,12 @@ def _grad_errors(grads_by_rank: list, truth: dict, router_sums: dict) -> dict:
     cancel; measured 2026-12-07.)"""
     errs = {}
     for n, ref in truth.items():
-        diff = (sum(r[n] for r in grads_by_rank).double() - ref.double()).abs()
+        actual = sum(r[n] for r in grads_by_rank)
         if n in router_sums:
+            diff = (actual.double() - ref.double()).abs()
             errs[n] = (diff / router_sums[n].double().clamp_min(1e-300)).max().item()
         else:
-            errs[n] = (diff.max() / ref.double().abs().max()).item()
+            errs[n] = rel_err(actual, ref, scale=0.0)
     return errs
 
 
@@ -76,10 +79,7 @@ def _allowed(own: dict, truth: dict, router_sums: dict) -> dict:
 def _truth(arch, packed):
     """The unmodified model in float64 (same weights), and the errors allowed (`_allowed`)."""
     sums = {}
-    if packed:
-        truth = hf_workers.packed_reference(arch, dtype=torch.float64, router_sums=sums)
-    else:
-        truth = hf_workers.reference(arch, torch.float64, router_sums=sums)
+    truth = _unmodified(arch, packed, torch.float64, router_sums=sums)
     return truth, sums, _allowed(_reference(arch, packed)[2], truth[2], sums)
 
 

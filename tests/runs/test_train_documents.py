@@ -12,6 +12,7 @@ from tolerances import grad_errors, rel_err
 from train_workers import small_config, train_steps
 
 from upipe.train.data import PackedTokens
+from upipe.train.tokenizers import load_tokenizer
 
 LOSS_TOL, GRAD_TOL = 1e-5, 2e-5  # as tests/runs/test_train.py: fp32, another reduction order
 
@@ -141,7 +142,7 @@ def test_hugging_face_weights_in_and_out(clusters, corpus, tokenizer_dir, tmp_pa
         assert torch.equal(saved[name], w), name
     assert rel_err(saved["lm_head.weight"], hf.state_dict()["lm_head.weight"]) > 1e-3
 
-    trained = PackedTokens(corpus, tokenizer=tokenizer_dir).tokenizer
+    trained = load_tokenizer(tokenizer_dir)
     loaded = transformers.AutoTokenizer.from_pretrained(out)
     text = " ".join(_texts(5, seed=1))
     ids = loaded(text, add_special_tokens=False)["input_ids"]
@@ -155,7 +156,7 @@ def test_save_hf_from_scratch_names_the_training_eos(clusters, corpus, tokenizer
     """--save-hf without --init-from-hf: config.json's eos_token_id is the id that ended every
     training document (the tokenizer's EOS; with bytes, 256), and the byte tokenizer writes no
     tokenizer files (there is none transformers could load)."""
-    trained_eos = PackedTokens(corpus, tokenizer=tokenizer_dir).tokenizer.eos_id
+    trained_eos = load_tokenizer(tokenizer_dir).eos_id
     for tokenizer, eos in ((tokenizer_dir, trained_eos), ("bytes", 256)):
         out = tmp_path / tokenizer.replace("/", "_")
         cfg = small_config(
